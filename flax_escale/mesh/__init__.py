@@ -1,0 +1,42 @@
+"""Layer 1: device meshes, the current mesh, and mesh axis queries."""
+
+from flax_escale.mesh.collective import get_mesh_axis_size, get_submesh_device_index
+from flax_escale.mesh.context import (
+    AxisNames,
+    get_axes_size_in_mesh,
+    get_incontext_mesh,
+    get_mesh_axis_names,
+    names_in_current_mesh,
+)
+from flax_escale.mesh.cpu import cpu_context, force_cpu
+from flax_escale.mesh.creation import (
+    DEFAULT_AXIS_DIMS,
+    DEFAULT_AXIS_NAMES,
+    AxisTypeLike,
+    calculate_host_mesh_shape,
+    create_cpu_mesh,
+    create_mesh,
+    resolve_axis_dims,
+)
+from flax_escale.mesh.parse import parse_mesh_from_string, parse_mesh_shape
+
+__all__ = [
+    "DEFAULT_AXIS_DIMS",
+    "DEFAULT_AXIS_NAMES",
+    "AxisNames",
+    "AxisTypeLike",
+    "calculate_host_mesh_shape",
+    "cpu_context",
+    "create_cpu_mesh",
+    "create_mesh",
+    "force_cpu",
+    "get_axes_size_in_mesh",
+    "get_incontext_mesh",
+    "get_mesh_axis_names",
+    "get_mesh_axis_size",
+    "get_submesh_device_index",
+    "names_in_current_mesh",
+    "parse_mesh_from_string",
+    "parse_mesh_shape",
+    "resolve_axis_dims",
+]

@@ -1,0 +1,149 @@
+"""The current mesh, and questions about a mesh's axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+from flax_escale.errors import EscaleTypeError, MeshError, NoMeshError
+
+__all__ = [
+    "AxisNames",
+    "get_axes_size_in_mesh",
+    "get_incontext_mesh",
+    "get_mesh_axis_names",
+    "names_in_current_mesh",
+]
+
+AxisNames = str | Sequence[str] | None
+"""One mesh axis name, several (their sizes multiply), or ``None`` (no axis, size 1)."""
+
+
+def _legacy_mesh() -> Mesh | None:
+    # `with mesh:` is deprecated and has no public getter any more (the pxla alias warns);
+    # users still enter meshes that way, so we look where jax itself keeps it.
+    try:
+        from jax._src.mesh import thread_resources
+    except ImportError:
+        return None
+    mesh = thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def get_incontext_mesh() -> Mesh | AbstractMesh:
+    """Returns the mesh of the current context.
+
+    A mesh set with ``jax.set_mesh`` is found first: outside ``jax.jit`` as the concrete
+    ``Mesh``, inside a traced function as the ``AbstractMesh`` (that is all JAX keeps there).
+    A mesh entered with the deprecated ``with mesh:`` is found too.
+
+    Returns:
+        The current ``Mesh``, or its ``AbstractMesh`` while tracing.
+
+    Raises:
+        NoMeshError: If no mesh is set.
+
+    Example:
+        >>> mesh = create_mesh()
+        >>> with jax.set_mesh(mesh):
+        ...     get_incontext_mesh() is mesh
+        True
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+        try:
+            concrete = jax.sharding.get_mesh()
+        except ValueError:  # raised while tracing: only the abstract mesh exists there
+            return abstract
+        return abstract if concrete.empty else concrete
+    legacy = _legacy_mesh()
+    if legacy is None:
+        raise NoMeshError(
+            "No mesh is set in the current context. Enter one with `with jax.set_mesh(mesh):` "
+            "(build it with flax_escale.create_mesh), or pass mesh=... explicitly."
+        )
+    return legacy
+
+
+def names_in_current_mesh(*names: str) -> bool:
+    """Tells whether the current mesh has every one of the given axis names.
+
+    Args:
+        *names: Mesh axis names.
+
+    Returns:
+        ``True`` if a mesh is set and has all the names; ``False`` otherwise, including when
+        no mesh is set.
+
+    Example:
+        >>> with jax.set_mesh(create_mesh()):
+        ...     names_in_current_mesh("fsdp", "tp"), names_in_current_mesh("model")
+        (True, False)
+        >>> names_in_current_mesh("fsdp")
+        False
+    """
+    try:
+        mesh = get_incontext_mesh()
+    except NoMeshError:
+        return False
+    return set(names) <= set(mesh.axis_names)
+
+
+def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
+    """Returns the axis names of ``mesh`` (default: the current mesh), in mesh order.
+
+    Raises:
+        NoMeshError: If ``mesh`` is omitted and no mesh is set.
+
+    Example:
+        >>> get_mesh_axis_names(create_mesh())
+        ['dp', 'fsdp', 'ep', 'tp', 'sp']
+    """
+    return list((get_incontext_mesh() if mesh is None else mesh).axis_names)
+
+
+def get_axes_size_in_mesh(axis_names: AxisNames, mesh: Mesh | AbstractMesh | None = None) -> int:
+    """Returns the number of devices along one mesh axis, or the product over several.
+
+    Args:
+        axis_names: An axis name, a sequence of names, or ``None`` (size 1).
+        mesh: The mesh; defaults to the current mesh.
+
+    Returns:
+        The size of the axis, or the product of the sizes of the axes.
+
+    Raises:
+        MeshError: If an axis is not in the mesh.
+        EscaleTypeError: If ``axis_names`` is not a string, a sequence of strings or ``None``.
+        NoMeshError: If ``mesh`` is omitted and no mesh is set.
+
+    Example:
+        >>> mesh = create_mesh((2, 2, 1, 2, 1))
+        >>> get_axes_size_in_mesh("tp", mesh), get_axes_size_in_mesh(("dp", "fsdp"), mesh)
+        (2, 4)
+    """
+    names = as_axis_name_tuple(axis_names)
+    mesh = get_incontext_mesh() if mesh is None else mesh
+    shape = dict(mesh.shape)
+    unknown = [n for n in names if n not in shape]
+    if unknown:
+        raise MeshError(
+            f"axis {unknown[0]!r} is not in the mesh {shape}; use one of {tuple(shape)}."
+        )
+    return math.prod(shape[n] for n in names)
+
+
+def as_axis_name_tuple(axis_names: AxisNames) -> tuple[str, ...]:
+    if axis_names is None:
+        return ()
+    if isinstance(axis_names, str):
+        return (axis_names,)
+    if isinstance(axis_names, Sequence) and all(isinstance(n, str) for n in axis_names):
+        return tuple(axis_names)
+    raise EscaleTypeError(
+        f"axis_names must be a mesh axis name, a sequence of names or None, got "
+        f"{type(axis_names).__name__} {axis_names!r}."
+    )

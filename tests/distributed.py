@@ -1,0 +1,91 @@
+"""Runs a snippet of Python in several real JAX processes on loopback.
+
+Each process starts ``jax.distributed`` with a coordinator on 127.0.0.1 and the gloo CPU
+collectives, runs the snippet, and reports the JSON of the snippet's ``result`` variable. Every
+process is killed if the group does not finish in time, so a test can never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+MARKER = "@@result@@"
+
+PRELUDE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", {local_devices})
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    "127.0.0.1:{port}", num_processes={num_processes}, process_id=int(sys.argv[1]),
+    initialization_timeout={init_timeout},
+)
+"""
+
+EPILOGUE = """
+print({marker!r} + json.dumps(result), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_processes(
+    code: str,
+    *,
+    num_processes: int = 2,
+    local_devices: int = 4,
+    timeout: float = 180.0,
+    init_timeout: int = 60,
+) -> list:
+    """Runs ``code`` in ``num_processes`` processes; returns each one's ``result``, by rank."""
+    script = (
+        PRELUDE.format(
+            local_devices=local_devices,
+            port=free_port(),
+            num_processes=num_processes,
+            init_timeout=init_timeout,
+        )
+        + textwrap.dedent(code)
+        + EPILOGUE.format(marker=MARKER)
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(num_processes)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        lines = [line for line in out.splitlines() if line.startswith(MARKER)]
+        if proc.returncode != 0 or not lines:
+            raise AssertionError(
+                f"process {rank} exited with {proc.returncode}\n"
+                f"stdout:\n{out}\nstderr:\n{err[-4000:]}"
+            )
+        results.append(json.loads(lines[-1][len(MARKER) :]))
+    return results

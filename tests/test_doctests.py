@@ -1,0 +1,41 @@
+"""Runs the examples in every docstring of the package as doctests.
+
+Examples see their own module's names, plus ``jax``, ``jnp``, ``np`` and every name in
+``flax_escale.__all__`` without importing them, as a user who did ``from flax_escale import *``
+would.
+"""
+
+import doctest
+import importlib
+import pkgutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_escale
+
+MODULES = sorted(
+    info.name
+    for info in pkgutil.walk_packages(flax_escale.__path__, prefix="flax_escale.")
+    if not info.name.endswith("__main__")
+)
+
+
+def test_modules_were_found():
+    assert "flax_escale.mesh.creation" in MODULES
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_docstring_examples(module_name):
+    module = importlib.import_module(module_name)
+    globs = {name: getattr(flax_escale, name) for name in flax_escale.__all__}
+    globs.update(jax=jax, jnp=jnp, np=np)
+    globs.update(vars(module))
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, module_name, globs=globs):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} doctest example(s) failed in {module_name}"

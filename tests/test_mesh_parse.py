@@ -1,0 +1,62 @@
+import pytest
+
+from flax_escale import MeshError, create_mesh, parse_mesh_from_string, parse_mesh_shape
+
+NAMES = ("dp", "fsdp", "ep", "tp", "sp")
+
+
+@pytest.mark.parametrize(
+    ("text", "names", "expected"),
+    [
+        ("dp:2,tp:4", ("dp", "tp"), ((2, 4), ("dp", "tp"))),
+        ("tp:4,dp:2", ("dp", "tp"), ((4, 2), ("tp", "dp"))),
+        (" dp : 2 , tp: -1 ", ("dp", "tp"), ((2, -1), ("dp", "tp"))),
+        ("2,4", ("data", "model"), ((2, 4), ("data", "model"))),
+        ("1, -1, 1, 2, 1", NAMES, ((1, -1, 1, 2, 1), NAMES)),
+    ],
+)
+def test_parse_mesh_shape(text, names, expected):
+    assert parse_mesh_shape(text, names) == expected
+
+
+def test_named_form_orders_mesh_axes_as_the_string():
+    mesh = parse_mesh_from_string("tp:2,sp:1,fsdp:-1,ep:1,dp:1", NAMES)
+    assert mesh.axis_names == ("tp", "sp", "fsdp", "ep", "dp")
+    assert dict(mesh.shape) == {"tp": 2, "sp": 1, "fsdp": 4, "ep": 1, "dp": 1}
+
+
+def test_positional_form_gives_the_same_mesh_as_create_mesh():
+    assert parse_mesh_from_string("1,-1,1,2,1", NAMES) is create_mesh((1, -1, 1, 2, 1))
+
+
+def test_mesh_kwargs_are_passed_on():
+    mesh = parse_mesh_from_string("2,4", ("dp", "tp"), axis_types="explicit")
+    assert [t.name for t in mesh.axis_types] == ["Explicit", "Explicit"]
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("dp:2,model:4", r"unknown axis name 'model' in token 'model:4'"),
+        ("dp:8", r"does not give a size for axis names \('tp',\)"),
+        ("dp:2,dp:4", r"axis name 'dp' is repeated in token 'dp:4'"),
+        ("2,2,2", r"gives 3 sizes but there are 2 axis names"),
+        ("dp:two,tp:4", r"size 'two' in token 'dp:two' is not an integer"),
+        ("2,x", r"size 'x' in token 'x' is not an integer"),
+        ("dp:2.5,tp:4", r"size '2.5' in token 'dp:2.5' is not an integer"),
+        ("dp:2,4", r"token '4' is not of the form 'name:size'"),
+        ("dp:2:3,tp:4", r"token 'dp:2:3' is not of the form 'name:size'"),
+        (":2,tp:4", r"token ':2' is not of the form 'name:size'"),
+        ("dp:2,,tp:4", r"token '' is not of the form 'name:size'"),
+        ("", r"size '' in token '' is not an integer"),
+        ("dp:,tp:8", r"size '' in token 'dp:' is not an integer"),
+    ],
+)
+def test_bad_strings_quote_the_offending_token(text, match):
+    with pytest.raises(MeshError, match=match):
+        parse_mesh_from_string(text, ("dp", "tp"))
+
+
+def test_device_count_mismatch_comes_from_create_mesh():
+    with pytest.raises(MeshError, match=r"multiply to 4, but the mesh has 8 devices"):
+        parse_mesh_from_string("dp:2,tp:2", ("dp", "tp"))

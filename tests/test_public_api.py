@@ -1,0 +1,72 @@
+import importlib
+import types
+
+import flax_escale
+
+EXPECTED = {
+    "flax_escale": [
+        "AxisNames",
+        "AxisTypeLike",
+        "DEFAULT_AXIS_DIMS",
+        "DEFAULT_AXIS_NAMES",
+        "EscaleError",
+        "EscaleTypeError",
+        "MeshError",
+        "NoMeshError",
+        "calculate_host_mesh_shape",
+        "cpu_context",
+        "create_cpu_mesh",
+        "create_mesh",
+        "force_cpu",
+        "get_axes_size_in_mesh",
+        "get_incontext_mesh",
+        "get_mesh_axis_names",
+        "get_mesh_axis_size",
+        "get_submesh_device_index",
+        "names_in_current_mesh",
+        "parse_mesh_from_string",
+        "parse_mesh_shape",
+        "resolve_axis_dims",
+    ],
+    "flax_escale.linen": [],
+    "flax_escale.nnx": [],
+}
+
+
+def _public_names(module: types.ModuleType) -> set[str]:
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+
+
+def test_exported_names_are_pinned():
+    for module_name, names in EXPECTED.items():
+        module = importlib.import_module(module_name)
+        assert sorted(module.__all__) == sorted(names), module_name
+
+
+def test_every_exported_name_exists_and_nothing_public_is_unexported():
+    for module_name in EXPECTED:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module_name}.{name}"
+        assert _public_names(module) == set(module.__all__), module_name
+
+
+def test_errors_are_value_errors():
+    for error in (
+        flax_escale.EscaleError,
+        flax_escale.MeshError,
+        flax_escale.NoMeshError,
+        flax_escale.EscaleTypeError,
+    ):
+        assert issubclass(error, ValueError)
+    assert issubclass(flax_escale.EscaleTypeError, TypeError)
+
+
+def test_package_is_typed():
+    from importlib.resources import files
+
+    assert files("flax_escale").joinpath("py.typed").is_file()
