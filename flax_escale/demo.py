@@ -51,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--axis-types", default="auto", choices=["auto", "explicit"], help="mesh axis type"
     )
     args = parser.parse_args(argv)
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    # The device count can only change before JAX starts its backend (in-process callers such as
+    # tests may already have started it with the same count).
+    if jax.config.jax_num_cpu_devices != args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = parse_mesh_from_string(
         args.mesh, DEFAULT_AXIS_NAMES, axis_types=args.axis_types, backend="cpu"
     )
