@@ -7,7 +7,14 @@ catch :class:`EscaleError` or one of its subclasses.
 
 from __future__ import annotations
 
-__all__ = ["EscaleError", "EscaleTypeError", "MeshError", "NoMeshError"]
+__all__ = [
+    "EscaleError",
+    "EscaleTypeError",
+    "MeshError",
+    "NoMeshError",
+    "ShardingCorrectionWarning",
+    "ShardingResolutionError",
+]
 
 
 class EscaleError(ValueError):
@@ -24,3 +31,15 @@ class MeshError(EscaleError):
 
 class NoMeshError(MeshError):
     """A function needs a mesh, none was passed and none is set in the current context."""
+
+
+class ShardingResolutionError(EscaleError):
+    """Logical axes cannot be resolved to a valid spec and strict resolution was asked for."""
+
+
+class ShardingCorrectionWarning(UserWarning):
+    """A sharding constraint was corrected to fit the array and mesh (some axes dropped).
+
+    Turn it into an error with ``warnings.simplefilter("error", ShardingCorrectionWarning)``,
+    or pass ``strict=True`` to the constraint.
+    """

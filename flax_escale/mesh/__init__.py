@@ -2,7 +2,7 @@
 
 from flax_escale.mesh.collective import get_mesh_axis_size, get_submesh_device_index
 from flax_escale.mesh.context import (
-    AxisNames,
+    MeshAxisNames,
     get_axes_size_in_mesh,
     get_incontext_mesh,
     get_mesh_axis_names,
@@ -23,8 +23,8 @@ from flax_escale.mesh.parse import parse_mesh_from_string, parse_mesh_shape
 __all__ = [
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
-    "AxisNames",
     "AxisTypeLike",
+    "MeshAxisNames",
     "calculate_host_mesh_shape",
     "cpu_context",
     "create_cpu_mesh",

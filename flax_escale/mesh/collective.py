@@ -7,7 +7,7 @@ import math
 import jax
 
 from flax_escale.errors import MeshError
-from flax_escale.mesh.context import AxisNames, as_axis_name_tuple
+from flax_escale.mesh.context import MeshAxisNames, as_axis_name_tuple
 
 __all__ = ["get_mesh_axis_size", "get_submesh_device_index"]
 
@@ -20,7 +20,7 @@ def _unbound(function: str, names: tuple[str, ...], error: NameError) -> MeshErr
     )
 
 
-def get_mesh_axis_size(axis_names: AxisNames) -> int:
+def get_mesh_axis_size(axis_names: MeshAxisNames) -> int:
     """Returns the number of devices along the given mesh axes, inside ``jax.shard_map``.
 
     Args:
@@ -48,7 +48,7 @@ def get_mesh_axis_size(axis_names: AxisNames) -> int:
         raise _unbound("get_mesh_axis_size", names, error) from error
 
 
-def get_submesh_device_index(axis_names: AxisNames) -> jax.Array | int:
+def get_submesh_device_index(axis_names: MeshAxisNames) -> jax.Array | int:
     """Returns this device's linear index over the given mesh axes, inside ``jax.shard_map``.
 
     The first axis is the most significant (row-major), so over ``("dp", "tp")`` with

@@ -11,14 +11,14 @@ from jax.sharding import AbstractMesh, Mesh
 from flax_escale.errors import EscaleTypeError, MeshError, NoMeshError
 
 __all__ = [
-    "AxisNames",
+    "MeshAxisNames",
     "get_axes_size_in_mesh",
     "get_incontext_mesh",
     "get_mesh_axis_names",
     "names_in_current_mesh",
 ]
 
-AxisNames = str | Sequence[str] | None
+MeshAxisNames = str | Sequence[str] | None
 """One mesh axis name, several (their sizes multiply), or ``None`` (no axis, size 1)."""
 
 
@@ -105,7 +105,9 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
     return list((get_incontext_mesh() if mesh is None else mesh).axis_names)
 
 
-def get_axes_size_in_mesh(axis_names: AxisNames, mesh: Mesh | AbstractMesh | None = None) -> int:
+def get_axes_size_in_mesh(
+    axis_names: MeshAxisNames, mesh: Mesh | AbstractMesh | None = None
+) -> int:
     """Returns the number of devices along one mesh axis, or the product over several.
 
     Args:
@@ -136,7 +138,7 @@ def get_axes_size_in_mesh(axis_names: AxisNames, mesh: Mesh | AbstractMesh | Non
     return math.prod(shape[n] for n in names)
 
 
-def as_axis_name_tuple(axis_names: AxisNames) -> tuple[str, ...]:
+def as_axis_name_tuple(axis_names: MeshAxisNames) -> tuple[str, ...]:
     if axis_names is None:
         return ()
     if isinstance(axis_names, str):

@@ -1,0 +1,214 @@
+"""``PartitionAxis``: the logical-axis vocabulary and its translation into Flax rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import jax
+
+from flax_escale.errors import EscaleError
+
+__all__ = ["LogicalRules", "MeshAxes", "PartitionAxis"]
+
+MeshAxes: TypeAlias = str | tuple[str, ...] | None
+"""Where one array dimension goes: a mesh axis, several (sharded over their product), or none."""
+
+LogicalRules: TypeAlias = tuple[tuple[str, MeshAxes], ...]
+"""Ordered ``(logical name, mesh axes)`` pairs, as ``flax.linen.logical_axis_rules`` takes."""
+
+_MESH_FIELDS = (
+    "data_parallel_axis",
+    "fully_sharded_data_parallel_axis",
+    "tensor_parallel_axis",
+    "sequence_parallel_axis",
+    "expert_parallel_axis",
+)
+# Names that are usually larger than the hidden size: they get the tensor-parallel axis first, so
+# that hidden_state falls back to (fsdp, sp) when it shares an array with one of them.
+_WIDE = ("vocab", "head", "kv_head", "mlp_intermediate", "expert")
+# Logical names that only the generation (decode) rules look up in generation_* fields.
+_GENERATION = ("batch", "query_sequence", "head", "key_sequence", "attention_dim")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class PartitionAxis:
+    """Which mesh axes each logical axis of parameters and activations is sharded over.
+
+    The first five fields name the mesh axes. The others map a logical axis (the field name
+    without ``_axis``) to a mesh axis, a tuple of mesh axes, or ``None``. A logical field left
+    unset is derived from the mesh-axis names, so renaming ``tensor_parallel_axis`` renames every
+    default that uses it. Instances are immutable and hashable (a static value under
+    ``jax.jit``); :meth:`replace` makes a changed copy.
+
+    :meth:`logical_axis_rules` turns the mapping into ordered Flax rules, used for parameters and
+    activations alike.
+
+    Example:
+        >>> paxis = PartitionAxis()
+        >>> paxis.batch_axis, paxis.hidden_state_axis
+        (('fsdp', 'dp'), 'tp')
+        >>> PartitionAxis(tensor_parallel_axis="model").head_axis
+        'model'
+    """
+
+    data_parallel_axis: str = "dp"
+    fully_sharded_data_parallel_axis: str = "fsdp"
+    tensor_parallel_axis: str = "tp"
+    sequence_parallel_axis: str = "sp"
+    expert_parallel_axis: str = "ep"
+
+    batch_axis: Any = ...
+    sequence_axis: Any = ...
+    query_sequence_axis: Any = ...
+    head_axis: Any = ...
+    kv_head_axis: Any = ...
+    key_sequence_axis: Any = ...
+    hidden_state_axis: Any = ...
+    mlp_intermediate_axis: Any = ...
+    vocab_axis: Any = ...
+    expert_axis: Any = ...
+    expert_gate_axis: Any = None
+    attention_dim_axis: Any = None
+    bias_head_sequence_axis: Any = None
+    bias_key_sequence_axis: Any = None
+    layers_axis: Any = None
+
+    generation_batch_axis: Any = None
+    generation_query_sequence_axis: Any = None
+    generation_head_axis: Any = ...
+    generation_key_sequence_axis: Any = ...
+    generation_attention_dim_axis: Any = None
+
+    # Fields given explicitly, so that replace() re-derives the others from new mesh-axis names.
+    _given: frozenset[str] = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        for name in _MESH_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise EscaleError(
+                    f"PartitionAxis.{name} must be a mesh axis name (a non-empty string), got "
+                    f"{value!r}."
+                )
+        defaults = self._derived_defaults()
+        given = set()
+        for field in dataclasses.fields(self):
+            if not field.init or field.name in _MESH_FIELDS:
+                continue
+            value = getattr(self, field.name)
+            if value is ...:
+                value = defaults[field.name]
+            else:
+                given.add(field.name)
+            object.__setattr__(self, field.name, _check_mesh_axes(field.name, value))
+        object.__setattr__(self, "_given", frozenset(given))
+
+    def _derived_defaults(self) -> dict[str, MeshAxes]:
+        tp, sp = self.tensor_parallel_axis, self.sequence_parallel_axis
+        return {
+            "batch_axis": (self.fully_sharded_data_parallel_axis, self.data_parallel_axis),
+            "sequence_axis": sp,
+            "query_sequence_axis": sp,
+            "head_axis": tp,
+            "kv_head_axis": tp,
+            "key_sequence_axis": sp,
+            "hidden_state_axis": tp,
+            "mlp_intermediate_axis": tp,
+            "vocab_axis": tp,
+            "expert_axis": self.expert_parallel_axis,
+            "generation_head_axis": tp,
+            "generation_key_sequence_axis": sp,
+        }
+
+    def replace(self, **changes: Any) -> PartitionAxis:
+        """Returns a copy with ``changes``; unset logical fields are derived anew.
+
+        Example:
+            >>> PartitionAxis().replace(tensor_parallel_axis="model").vocab_axis
+            'model'
+            >>> custom = PartitionAxis(vocab_axis=None)
+            >>> custom.replace(tensor_parallel_axis="model").vocab_axis is None
+            True
+        """
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self) if f.init})
+        if unknown:
+            raise EscaleError(f"PartitionAxis has no field {unknown[0]!r}.")
+        kept = {name: getattr(self, name) for name in (*_MESH_FIELDS, *self._given)}
+        return PartitionAxis(**{**kept, **changes})
+
+    @property
+    def mesh_axis_names(self) -> tuple[str, ...]:
+        """The five mesh-axis names in the default mesh order ``dp, fsdp, ep, tp, sp``."""
+        return (
+            self.data_parallel_axis,
+            self.fully_sharded_data_parallel_axis,
+            self.expert_parallel_axis,
+            self.tensor_parallel_axis,
+            self.sequence_parallel_axis,
+        )
+
+    def logical_axis_rules(self, *, generation: bool = False) -> LogicalRules:
+        """Translates the mapping into ordered Flax logical-axis rules.
+
+        The wide names (``vocab``, ``head``, ``kv_head``, ``mlp_intermediate``, ``expert``) come
+        before ``hidden_state``, and fallback rules send ``hidden_state`` and the wide names to
+        ``(fsdp, sp)`` when their first choice is already used by the array. So one annotation
+        serves parameters (FSDP + tensor parallel) and activations (batch over ``(fsdp, dp)``).
+        With ``generation=True`` the ``generation_*`` fields replace their counterparts.
+
+        The rules work with ``flax.linen.logical_axis_rules`` and
+        ``flax.linen.logical_to_mesh_axes`` directly.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> rules = PartitionAxis().logical_axis_rules()
+            >>> nn.logical_to_mesh_axes(("hidden_state", "mlp_intermediate"), rules)
+            P(('fsdp', 'sp'), 'tp')
+            >>> nn.logical_to_mesh_axes(("batch", "sequence", "hidden_state"), rules)
+            P(('fsdp', 'dp'), 'sp', 'tp')
+        """
+        axes = self.logical_axes(generation=generation)
+        fallback = (self.fully_sharded_data_parallel_axis, self.sequence_parallel_axis)
+        first = [(name, axes[name]) for name in _WIDE]
+        rest = [(name, value) for name, value in axes.items() if name not in _WIDE]
+        fallbacks = [
+            (name, fallback)
+            for name in ("hidden_state", *_WIDE)
+            if axes[name] is not None and axes[name] != fallback
+        ]
+        return tuple(first + rest + fallbacks)
+
+    def logical_axes(self, *, generation: bool = False) -> dict[str, MeshAxes]:
+        """Maps each logical name to its mesh axes, for training or generation.
+
+        Example:
+            >>> PartitionAxis().logical_axes(generation=True)["batch"] is None
+            True
+        """
+        axes = {
+            field.name.removesuffix("_axis"): getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.init
+            and field.name not in _MESH_FIELDS
+            and not field.name.startswith("generation_")
+        }
+        if generation:
+            for name in _GENERATION:
+                axes[name] = getattr(self, f"generation_{name}_axis")
+        return axes
+
+
+def _check_mesh_axes(field: str, value: Any) -> MeshAxes:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise EscaleError(
+        f"PartitionAxis.{field} must be a mesh axis name, a non-empty sequence of names, or "
+        f"None; got {value!r}."
+    )

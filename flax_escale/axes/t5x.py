@@ -1,0 +1,97 @@
+"""t5x's standard logical-axis rules, and its ``AxisNames`` leaf type."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flax_escale.axes.partition_axis import MeshAxes
+from flax_escale.errors import EscaleError
+
+__all__ = ["AxisNames", "standard_logical_axis_rules"]
+
+
+class AxisNames(tuple):
+    """A tuple of logical axis names that pytree utilities treat as one leaf.
+
+    A plain tuple of names in a tree of annotations would be flattened into its strings; this
+    subclass is not registered as a pytree node, so it stays whole.
+
+    Example:
+        >>> names = AxisNames("embed", "mlp")
+        >>> jax.tree_util.tree_leaves({"kernel": names})
+        [AxisNames('embed', 'mlp')]
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *names: str | None) -> AxisNames:
+        """Builds the tuple from the names given as separate arguments."""
+        return super().__new__(cls, names)
+
+    def __repr__(self) -> str:
+        return f"AxisNames{tuple.__repr__(self)}" if len(self) != 1 else f"AxisNames({self[0]!r})"
+
+
+_ONE_D_PARAMS_ONE_D_ACTIVATIONS = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("embed", None),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("kv", None),
+    ("joined_kv", "model"),
+)
+_MODEL_PARALLEL = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("kv", None),
+    ("joined_kv", "model"),
+)
+_BY_DIMS = {
+    (1, 1): _ONE_D_PARAMS_ONE_D_ACTIVATIONS,
+    (2, 1): (*_MODEL_PARALLEL, ("embed", "model")),
+    (1, 2): (*_MODEL_PARALLEL, ("embed", "data")),
+    (2, 2): (*_MODEL_PARALLEL, ("embed", "model"), ("embed", "data")),
+}
+_REPLICATED = (
+    ("relpos_buckets", None),
+    ("abspos_buckets", None),
+    ("length", None),
+    ("layers", None),
+    ("stack", None),
+    ("mlp_activations", None),
+)
+
+
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: Sequence[tuple[str, MeshAxes]] | None = None,
+) -> list[tuple[str, MeshAxes]]:
+    """Returns t5x's standard rules for its logical names over a ``("data", "model")`` mesh.
+
+    Args:
+        activation_partitioning_dims: 2 also shards activations' ``embed`` over ``model``.
+        parameter_partitioning_dims: 2 also shards parameters' ``embed`` over ``data``.
+        additional_rules: Rules appended after the standard ones.
+
+    Returns:
+        The rules, in priority order, as a list of ``(logical name, mesh axes)``.
+
+    Raises:
+        EscaleError: For dims other than 1 or 2.
+
+    Example:
+        >>> standard_logical_axis_rules()[:3]
+        [('batch', 'data'), ('vocab', 'model'), ('embed', None)]
+    """
+    key = (activation_partitioning_dims, parameter_partitioning_dims)
+    if key not in _BY_DIMS:
+        raise EscaleError(
+            f"`activation_partitioning_dims` = {activation_partitioning_dims} "
+            f"`parameter_partitioning_dims` = {parameter_partitioning_dims} is not supported: "
+            "each must be 1 or 2."
+        )
+    return [*_BY_DIMS[key], *_REPLICATED, *(additional_rules or ())]

@@ -1,0 +1,315 @@
+"""The one resolver: logical axes (+ shape and mesh) to a ``PartitionSpec``.
+
+Rules apply with the priority semantics of ``flax.linen.logical_to_mesh_axes``: in order, a rule
+fills a dimension that is still free, and only with mesh axes the array does not use yet; names
+without a rule stay unsharded. With a shape and a mesh, a rule whose mesh axes do not divide the
+dimension is passed over, so a later rule for the same name can apply; what still does not fit
+is corrected by :func:`~flax_escale.resolve.fit.fit_spec` and recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import flax.linen as nn
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from flax_escale.axes.partition_axis import LogicalRules, MeshAxes, PartitionAxis
+from flax_escale.errors import EscaleError, NoMeshError, ShardingResolutionError
+from flax_escale.mesh.context import get_incontext_mesh
+from flax_escale.resolve.fit import Correction, fit_spec, mesh_axes_of
+
+__all__ = [
+    "LogicalAxes",
+    "PassedOver",
+    "Resolution",
+    "RulesLike",
+    "as_logical_rules",
+    "logical_to_mesh_axes",
+    "resolve_logical_axes",
+]
+
+LogicalAxes: TypeAlias = Sequence[str | None] | None
+"""One logical name (or ``None``) per array dimension; ``None`` for an unannotated array."""
+
+RulesLike: TypeAlias = PartitionAxis | Sequence[tuple[str, MeshAxes]] | None
+"""Rules as ``(name, mesh axes)`` pairs, a ``PartitionAxis`` to translate, or ``None``."""
+
+_FREE = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class PassedOver:
+    """A rule skipped because its mesh axes do not divide the dimension (a later rule may apply).
+
+    Attributes:
+        dim: The array dimension.
+        logical_name: The dimension's logical name.
+        mesh_axes: The rule's mesh axes.
+        size: The dimension's size.
+    """
+
+    dim: int
+    logical_name: str
+    mesh_axes: tuple[str, ...]
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The result of resolving one array's logical axes.
+
+    Attributes:
+        logical_axes: The logical axes resolved.
+        spec: The resolved, valid ``PartitionSpec``.
+        shape: The array shape, if known.
+        mesh_shape: The mesh's ``(axis, size)`` pairs, if known.
+        rules_spec: The spec the rules gave before corrections.
+        corrections: Mesh axes dropped to make the spec valid.
+        passed_over: Rules passed over because their axes do not divide the dimension.
+        unknown_names: Logical names no rule mentions (left unsharded).
+    """
+
+    logical_axes: tuple[Any, ...] | None
+    spec: PartitionSpec
+    shape: tuple[int, ...] | None
+    mesh_shape: tuple[tuple[str, int], ...] | None
+    rules_spec: PartitionSpec
+    corrections: tuple[Correction, ...] = ()
+    passed_over: tuple[PassedOver, ...] = ()
+    unknown_names: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """``True`` when nothing was corrected and every logical name has a rule."""
+        return not self.corrections and not self.unknown_names
+
+    def describe(self, path: str | None = None) -> str:
+        """A message naming the path, logical axes, shape, spec and mesh, and how to fix it."""
+        where = f"parameter {path!r}: " if path else ""
+        mesh = dict(self.mesh_shape) if self.mesh_shape is not None else "(no mesh)"
+        problems = [
+            f"dimension {c.dim} ({self._name(c.dim)}): {c.detail}; dropped {c.mesh_axes}. "
+            + _FIXES[c.kind]
+            for c in self.corrections
+        ]
+        problems += [
+            f"logical name {name!r} has no rule, so it stays unsharded. Add a rule "
+            f"({name!r}, mesh_axes) to rules= (or ({name!r}, None) to replicate on purpose), "
+            f"or use a PartitionAxis name such as {_KNOWN_HINT}."
+            for name in self.unknown_names
+        ]
+        return (
+            f"{where}logical axes {self.logical_axes} with shape {self.shape} on mesh {mesh} "
+            f"resolve to {self.rules_spec}, corrected to {self.spec}:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+    def _name(self, dim: int) -> Any:
+        if self.logical_axes is None or dim >= len(self.logical_axes):
+            return None
+        return self.logical_axes[dim]
+
+
+_FIXES = {
+    "not_in_mesh": "Add the axis to the mesh, or map the logical name to axes the mesh has.",
+    "reused": "Map the logical names of these dimensions to different mesh axes.",
+    "not_divisible": "Make the size a multiple of the axes' size (pad it, or change the mesh), "
+    "or map the logical name to other axes.",
+    "truncated": "Give one spec entry per array dimension.",
+}
+_KNOWN_HINT = ", ".join(repr(n) for n in list(PartitionAxis().logical_axes())[:6]) + ", ..."
+
+
+def as_logical_rules(rules: RulesLike = None) -> LogicalRules:
+    """Returns the rules to resolve with, as a hashable tuple of pairs.
+
+    ``rules`` wins when given (a ``PartitionAxis`` is translated with its
+    :meth:`~flax_escale.PartitionAxis.logical_axis_rules`); otherwise the rules set with
+    ``flax.linen.logical_axis_rules``; otherwise the default ``PartitionAxis()`` rules.
+
+    Raises:
+        EscaleError: If a rule is not a ``(name, mesh axes)`` pair.
+
+    Example:
+        >>> as_logical_rules([("batch", "dp"), ("embed", ["fsdp", "tp"])])
+        (('batch', 'dp'), ('embed', ('fsdp', 'tp')))
+    """
+    if isinstance(rules, PartitionAxis):
+        return _translated(rules)
+    if rules is None:
+        rules = nn.get_logical_axis_rules() or _translated(PartitionAxis())
+    if isinstance(rules, tuple) and _is_frozen(rules):
+        return rules
+    return tuple(_freeze_rule(rule) for rule in rules)
+
+
+@functools.lru_cache(maxsize=64)
+def _translated(paxis: PartitionAxis) -> LogicalRules:
+    return paxis.logical_axis_rules()
+
+
+def _is_frozen(rules: tuple[Any, ...]) -> bool:
+    try:
+        hash(rules)
+    except TypeError:
+        return False
+    return all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) for r in rules)
+
+
+def _freeze_rule(rule: Any) -> tuple[str, MeshAxes]:
+    if not isinstance(rule, Sequence) or isinstance(rule, str) or len(rule) != 2:
+        raise EscaleError(
+            f"rules: each rule must be a (logical name, mesh axes) pair, got {rule!r}."
+        )
+    name, target = rule
+    if not isinstance(name, str):
+        raise EscaleError(f"rules: the logical name of rule {rule!r} must be a string.")
+    if isinstance(target, list):
+        target = tuple(target)
+    try:
+        hash(target)
+    except TypeError:
+        raise EscaleError(
+            f"rules: the mesh axes of rule {rule!r} must be a name, a tuple of names or None."
+        ) from None
+    return name, target
+
+
+def resolve_logical_axes(
+    logical_axes: LogicalAxes,
+    rules: RulesLike = None,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    strict: bool = False,
+    path: str | None = None,
+) -> Resolution:
+    """Resolves logical axes to a ``PartitionSpec``, with what was passed over and corrected.
+
+    Args:
+        logical_axes: One logical name (or ``None``) per dimension; ``None`` for an
+            unannotated array (replicated).
+        rules: The rules (see :func:`as_logical_rules`); defaults to Flax's rules context, then
+            to ``PartitionAxis()``.
+        shape: The array shape. With a mesh, it makes resolution shape-aware.
+        mesh: The mesh; defaults to the current mesh, if any. Without one, the result is
+            exactly ``flax.linen.logical_to_mesh_axes``'s.
+        strict: Raise instead of correcting, and on logical names without a rule.
+        path: The parameter path, named in error messages.
+
+    Returns:
+        A :class:`Resolution`; its ``spec`` is valid for ``shape`` on ``mesh``.
+
+    Raises:
+        ShardingResolutionError: In strict mode, if something had to be corrected or a logical
+            name has no rule; always, if a name repeats or ``shape`` has another rank.
+
+    Example:
+        >>> mesh = create_mesh((1, -1, 1, 4, 1))
+        >>> r = resolve_logical_axes(("hidden_state", "mlp_intermediate"), shape=(6, 8), mesh=mesh)
+        >>> r.spec
+        P(('fsdp', 'sp'), 'tp')
+        >>> r = resolve_logical_axes(("batch", "hidden_state"), shape=(3, 6), mesh=mesh)
+        >>> r.spec, [p.mesh_axes for p in r.passed_over]
+        (P(None, ('fsdp', 'sp')), [('fsdp', 'dp'), ('tp',)])
+    """
+    frozen_rules = as_logical_rules(rules)
+    names = None if logical_axes is None else tuple(logical_axes)
+    if mesh is None:
+        try:
+            mesh = get_incontext_mesh()
+        except NoMeshError:
+            mesh = None
+    mesh_shape = None if mesh is None else tuple(mesh.shape.items())
+    resolution = _resolve(names, frozen_rules, None if shape is None else tuple(shape), mesh_shape)
+    if isinstance(resolution, str):
+        raise ShardingResolutionError((f"parameter {path!r}: " if path else "") + resolution)
+    if strict and not resolution.ok:
+        raise ShardingResolutionError(
+            resolution.describe(path) + "\n(strict=True; pass strict=False to correct instead.)"
+        )
+    return resolution
+
+
+def logical_to_mesh_axes(
+    logical_axes: LogicalAxes,
+    rules: RulesLike = None,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    strict: bool = False,
+) -> PartitionSpec:
+    """Resolves logical axes to a ``PartitionSpec``: :func:`resolve_logical_axes`'s ``spec``.
+
+    A drop-in for ``flax.linen.logical_to_mesh_axes`` (same answer without a mesh), that also
+    takes the shape and mesh into account when given.
+
+    Example:
+        >>> logical_to_mesh_axes(("batch", "sequence", "hidden_state"))
+        P(('fsdp', 'dp'), 'sp', 'tp')
+    """
+    return resolve_logical_axes(logical_axes, rules, shape=shape, mesh=mesh, strict=strict).spec
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _resolve(
+    names: tuple[Any, ...] | None,
+    rules: LogicalRules,
+    shape: tuple[int, ...] | None,
+    mesh_shape: tuple[tuple[str, int], ...] | None,
+) -> Resolution | str:
+    # Returns an error message instead of raising, so that errors are not cached as results.
+    if names is None:
+        rank = 0 if shape is None else len(shape)
+        spec = PartitionSpec(*([None] * rank))
+        return Resolution(None, spec, shape, mesh_shape, spec)
+    repeated = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+    if repeated:
+        return (
+            f"logical axes {names}: {repeated[0]!r} names more than one dimension; each logical "
+            "name can shard at most one dimension of an array. Give the dimensions distinct names."
+        )
+    if shape is not None and len(shape) != len(names):
+        return (
+            f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
+            f"{len(shape)}: give one logical name (or None) per dimension."
+        )
+    mesh = None if mesh_shape is None else dict(mesh_shape)
+    result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
+    used: set[str] = set()
+    passed: list[PassedOver] = []
+    for name, target in rules:
+        if name not in names:
+            continue
+        dim = names.index(name)
+        axes = mesh_axes_of(target)
+        if result[dim] is not _FREE or used.intersection(axes):
+            continue
+        if _indivisible(axes, dim, shape, mesh):
+            passed.append(PassedOver(dim, name, axes, shape[dim]))
+            continue
+        result[dim] = target
+        used.update(axes)
+    rules_spec = PartitionSpec(*(None if r is _FREE else r for r in result))
+    known = {name for name, _ in rules}
+    unknown = tuple(n for n in names if isinstance(n, str) and n not in known)
+    spec, corrections = rules_spec, ()
+    if mesh is not None:
+        spec, corrections = fit_spec(rules_spec, shape, mesh)
+    return Resolution(
+        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown
+    )
+
+
+def _indivisible(
+    axes: tuple[str, ...], dim: int, shape: tuple[int, ...] | None, mesh: dict[str, int] | None
+) -> bool:
+    # Axes the mesh lacks are left to fit_spec, which records them as corrections.
+    if shape is None or mesh is None or not all(a in mesh for a in axes):
+        return False
+    return shape[dim] % math.prod(mesh[a] for a in axes) != 0

@@ -1,0 +1,196 @@
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from flax_escale import EscaleError, PartitionAxis, create_mesh, logical_to_mesh_axes
+
+SEED_DEFAULTS = {
+    "data_parallel_axis": "dp",
+    "fully_sharded_data_parallel_axis": "fsdp",
+    "tensor_parallel_axis": "tp",
+    "sequence_parallel_axis": "sp",
+    "expert_parallel_axis": "ep",
+    "batch_axis": ("fsdp", "dp"),
+    "sequence_axis": "sp",
+    "query_sequence_axis": "sp",
+    "head_axis": "tp",
+    "kv_head_axis": "tp",
+    "key_sequence_axis": "sp",
+    "hidden_state_axis": "tp",
+    "mlp_intermediate_axis": "tp",
+    "vocab_axis": "tp",
+    "expert_axis": "ep",
+    "expert_gate_axis": None,
+    "attention_dim_axis": None,
+    "bias_head_sequence_axis": None,
+    "bias_key_sequence_axis": None,
+    "layers_axis": None,
+    "generation_batch_axis": None,
+    "generation_query_sequence_axis": None,
+    "generation_head_axis": "tp",
+    "generation_key_sequence_axis": "sp",
+    "generation_attention_dim_axis": None,
+}
+
+# DESIGN.md decision 2: one annotation, FSDP+TP parameters and eformer's activation layout.
+DESIGN_TABLE = [
+    (("batch", "sequence", "hidden_state"), P(("fsdp", "dp"), "sp", "tp")),
+    (("hidden_state", "mlp_intermediate"), P(("fsdp", "sp"), "tp")),
+    (("mlp_intermediate", "hidden_state"), P("tp", ("fsdp", "sp"))),
+    (("vocab", "hidden_state"), P("tp", ("fsdp", "sp"))),
+    (("expert", "hidden_state", "mlp_intermediate"), P("ep", ("fsdp", "sp"), "tp")),
+]
+
+
+def test_defaults_are_the_seeds():
+    paxis = PartitionAxis()
+    assert {f.name: getattr(paxis, f.name) for f in dataclasses.fields(paxis) if f.init} == (
+        SEED_DEFAULTS
+    )
+
+
+def test_defaults_follow_renamed_mesh_axes():
+    paxis = PartitionAxis(
+        tensor_parallel_axis="model",
+        data_parallel_axis="data",
+        fully_sharded_data_parallel_axis="zero",
+        sequence_parallel_axis="seq",
+        expert_parallel_axis="experts",
+    )
+    assert paxis.batch_axis == ("zero", "data")
+    for name in ("head", "kv_head", "hidden_state", "mlp_intermediate", "vocab", "generation_head"):
+        assert getattr(paxis, f"{name}_axis") == "model"
+    for name in ("sequence", "query_sequence", "key_sequence", "generation_key_sequence"):
+        assert getattr(paxis, f"{name}_axis") == "seq"
+    assert paxis.expert_axis == "experts"
+    assert paxis.mesh_axis_names == ("data", "zero", "experts", "model", "seq")
+
+
+def test_explicit_values_win_and_sequences_become_tuples():
+    paxis = PartitionAxis(head_axis=["tp", "sp"], vocab_axis=None)
+    assert paxis.head_axis == ("tp", "sp")
+    assert paxis.vocab_axis is None
+    assert paxis.hidden_state_axis == "tp"
+
+
+def test_immutable_hashable_and_equal_by_value():
+    a, b = PartitionAxis(), PartitionAxis(head_axis="tp")
+    assert a == b
+    assert hash(a) == hash(b)
+    assert len({a, b, PartitionAxis(head_axis=None)}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.head_axis = "sp"
+
+
+def test_replace_rederives_unset_fields_and_keeps_given_ones():
+    paxis = PartitionAxis(vocab_axis=None, head_axis="sp")
+    renamed = paxis.replace(tensor_parallel_axis="model")
+    assert renamed.hidden_state_axis == "model"
+    assert renamed.vocab_axis is None
+    assert renamed.head_axis == "sp"
+    assert paxis.hidden_state_axis == "tp"
+    assert paxis.replace(batch_axis="dp").batch_axis == "dp"
+    with pytest.raises(EscaleError, match=r"PartitionAxis has no field 'heads_axis'"):
+        paxis.replace(heads_axis="tp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_parallel_axis": None}, r"PartitionAxis.tensor_parallel_axis must be a mesh axis"),
+        ({"tensor_parallel_axis": ""}, r"non-empty string\), got ''"),
+        ({"head_axis": 3}, r"PartitionAxis.head_axis must be a mesh axis name.*got 3"),
+        ({"batch_axis": ()}, r"PartitionAxis.batch_axis .*non-empty sequence.*got \(\)"),
+        ({"batch_axis": ("dp", 1)}, r"PartitionAxis.batch_axis .*got \('dp', 1\)"),
+    ],
+)
+def test_invalid_values(kwargs, match):
+    with pytest.raises(EscaleError, match=match):
+        PartitionAxis(**kwargs)
+
+
+def test_static_under_jit():
+    traces = []
+
+    def scale(paxis, x):
+        traces.append(paxis)
+        return x * (2 if paxis.vocab_axis is None else 3)
+
+    static = jax.jit(scale, static_argnums=0)
+    assert static(PartitionAxis(), jnp.ones(2)).tolist() == [3.0, 3.0]
+    assert static(PartitionAxis(head_axis="tp"), jnp.ones(2)).tolist() == [3.0, 3.0]
+    assert len(traces) == 1  # equal instances hit the cache
+    assert static(PartitionAxis(vocab_axis=None), jnp.ones(2)).tolist() == [2.0, 2.0]
+    # A static pytree: it can also be passed as an ordinary argument.
+    assert jax.jit(scale)(PartitionAxis(vocab_axis=None), jnp.ones(2)).tolist() == [2.0, 2.0]
+    assert jax.tree_util.tree_leaves(PartitionAxis()) == []
+
+
+@pytest.mark.parametrize(("axes", "spec"), DESIGN_TABLE)
+def test_design_table_through_plain_flax(axes, spec):
+    rules = PartitionAxis().logical_axis_rules()
+    assert nn.logical_to_mesh_axes(axes, rules) == spec
+    with nn.logical_axis_rules(rules):
+        assert nn.logical_to_mesh_axes(axes) == spec
+
+
+@pytest.mark.parametrize(("axes", "spec"), DESIGN_TABLE)
+def test_design_table_on_the_default_mesh_with_shapes(axes, spec):
+    mesh = create_mesh((1, 4, 1, 2, 1))  # fsdp=4, tp=2
+    shape = tuple(64 for _ in axes)
+    assert logical_to_mesh_axes(axes, shape=shape, mesh=mesh, strict=True) == spec
+
+
+def test_rule_order_wide_names_first_then_fallbacks():
+    rules = PartitionAxis().logical_axis_rules()
+    names = [name for name, _ in rules]
+    assert names.index("vocab") < names.index("hidden_state")
+    assert names.index("mlp_intermediate") < names.index("hidden_state")
+    fallbacks = [(n, t) for n, t in rules if t == ("fsdp", "sp")]
+    assert fallbacks == [
+        ("hidden_state", ("fsdp", "sp")),
+        ("vocab", ("fsdp", "sp")),
+        ("head", ("fsdp", "sp")),
+        ("kv_head", ("fsdp", "sp")),
+        ("mlp_intermediate", ("fsdp", "sp")),
+        ("expert", ("fsdp", "sp")),
+    ]
+    assert ("layers", None) in rules
+    assert ("attention_dim", None) in rules
+
+
+def test_attention_kernels():
+    rules = PartitionAxis().logical_axis_rules()
+    assert nn.logical_to_mesh_axes(("hidden_state", "head", "attention_dim"), rules) == P(
+        ("fsdp", "sp"), "tp", None
+    )
+    assert nn.logical_to_mesh_axes(("head", "attention_dim", "hidden_state"), rules) == P(
+        "tp", None, ("fsdp", "sp")
+    )
+    assert nn.logical_to_mesh_axes(("layers", "hidden_state", "mlp_intermediate"), rules) == P(
+        None, ("fsdp", "sp"), "tp"
+    )
+
+
+def test_generation_rules_use_the_generation_fields():
+    paxis = PartitionAxis(generation_batch_axis="dp", generation_head_axis="sp")
+    rules = paxis.logical_axis_rules(generation=True)
+    assert nn.logical_to_mesh_axes(("batch", "query_sequence", "head"), rules) == P("dp", None, "sp")
+    assert nn.logical_to_mesh_axes(("batch", "key_sequence", "head"), rules) == P("dp", None, "sp")
+    # Parameters resolve the same in both modes.
+    train = paxis.logical_axis_rules()
+    for axes, _ in DESIGN_TABLE[1:]:
+        assert nn.logical_to_mesh_axes(axes, rules) == nn.logical_to_mesh_axes(axes, train)
+    assert PartitionAxis().logical_axes(generation=True)["batch"] is None
+
+
+def test_fallback_skipped_when_first_choice_is_the_fallback():
+    rules = PartitionAxis(hidden_state_axis=("fsdp", "sp")).logical_axis_rules()
+    assert rules.count(("hidden_state", ("fsdp", "sp"))) == 1
+    assert ("hidden_state", ("fsdp", "sp")) in rules
+    unsharded = PartitionAxis(vocab_axis=None).logical_axis_rules()
+    assert ("vocab", ("fsdp", "sp")) not in unsharded
