@@ -179,7 +179,9 @@ def test_attention_kernels():
 def test_generation_rules_use_the_generation_fields():
     paxis = PartitionAxis(generation_batch_axis="dp", generation_head_axis="sp")
     rules = paxis.logical_axis_rules(generation=True)
-    assert nn.logical_to_mesh_axes(("batch", "query_sequence", "head"), rules) == P("dp", None, "sp")
+    assert nn.logical_to_mesh_axes(("batch", "query_sequence", "head"), rules) == P(
+        "dp", None, "sp"
+    )
     assert nn.logical_to_mesh_axes(("batch", "key_sequence", "head"), rules) == P("dp", None, "sp")
     # Parameters resolve the same in both modes.
     train = paxis.logical_axis_rules()

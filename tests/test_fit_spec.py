@@ -1,0 +1,54 @@
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from flax_escale import fit_spec
+
+MESH = {"dp": 2, "fsdp": 4, "tp": 2, "sp": 1}
+
+
+def _kinds(corrections):
+    return [(c.kind, c.dim, c.mesh_axes) for c in corrections]
+
+
+def test_valid_spec_is_kept_and_padded():
+    spec, corrections = fit_spec(P(("fsdp", "dp")), (16, 6, 3), MESH)
+    assert spec == P(("fsdp", "dp"), None, None)
+    assert corrections == ()
+
+
+def test_truncated_to_the_rank():
+    spec, corrections = fit_spec(P("dp", None, "tp"), (4, 4), MESH)
+    assert spec == P("dp", None)
+    assert _kinds(corrections) == [("truncated", 2, ("tp",))]
+    spec, corrections = fit_spec(P("dp", None, None), (4,), MESH)
+    assert (spec, corrections) == (P("dp"), ())
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "expected", "kinds"),
+    [
+        (P("tp", "tp"), (4, 4), P("tp", None), [("reused", 1, ("tp",))]),
+        (P(("tp", "tp")), (4,), P(None), [("reused", 0, ("tp", "tp"))]),
+        (P(("fsdp", "tp"), "tp"), (8, 4), P(("fsdp", "tp"), None), [("reused", 1, ("tp",))]),
+        (P("fsdp"), (6,), P(None), [("not_divisible", 0, ("fsdp",))]),
+        (P("model", "dp"), (4, 4), P(None, "dp"), [("not_in_mesh", 0, ("model",))]),
+        (P("sp", "sp"), (3, 3), P("sp", None), [("reused", 1, ("sp",))]),
+        (P("sp"), (3,), P("sp"), []),
+    ],
+)
+def test_corrections(spec, shape, expected, kinds):
+    fitted, corrections = fit_spec(spec, shape, MESH)
+    assert fitted == expected
+    assert _kinds(corrections) == kinds
+
+
+def test_correction_details_say_what_was_wrong():
+    _, (correction,) = fit_spec(P("fsdp"), (6,), MESH)
+    assert correction.size == 6
+    assert correction.detail == "size 6 is not divisible by ('fsdp',) of total size 4"
+
+
+def test_without_shape_only_mesh_axes_are_checked():
+    spec, corrections = fit_spec(P("fsdp", "model"), None, MESH)
+    assert spec == P("fsdp", None)
+    assert _kinds(corrections) == [("not_in_mesh", 1, ("model",))]

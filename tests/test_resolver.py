@@ -1,0 +1,233 @@
+import flax.linen as nn
+import jax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+from flax_escale import (
+    EscaleError,
+    PartitionAxis,
+    ShardingResolutionError,
+    as_logical_rules,
+    create_mesh,
+    logical_to_mesh_axes,
+    resolve_logical_axes,
+    standard_logical_axis_rules,
+)
+
+FALLBACK_RULES = [
+    ("batch", "data"),
+    ("embed", "model"),
+    ("mlp", "model"),
+    ("embed", "data"),
+    ("heads", ("model", "expert")),
+    ("kv", None),
+    ("heads", "data"),
+    ("length", None),
+    ("vocab", ("data", "model")),
+]
+
+# (rules, logical axes): repeated names as fallbacks, tuple targets, None targets and names.
+TABLE = [
+    (FALLBACK_RULES, ("batch", "embed")),
+    (FALLBACK_RULES, ("embed", "mlp")),
+    (FALLBACK_RULES, ("mlp", "embed")),
+    (FALLBACK_RULES, ("batch", "mlp", "embed")),
+    (FALLBACK_RULES, ("heads", "kv", "embed")),
+    (FALLBACK_RULES, ("embed", "heads")),
+    (FALLBACK_RULES, ("batch", "heads", "mlp")),
+    (FALLBACK_RULES, ("vocab", "embed")),
+    (FALLBACK_RULES, (None, "embed", None)),
+    (FALLBACK_RULES, ("length", "embed")),
+    (FALLBACK_RULES, ("unknown", "embed")),
+    (FALLBACK_RULES, ()),
+    (standard_logical_axis_rules(2, 2), ("batch", "length", "embed")),
+    (standard_logical_axis_rules(2, 2), ("embed", "mlp")),
+    (standard_logical_axis_rules(1, 2), ("vocab", "embed")),
+    (standard_logical_axis_rules(), ("layers", "embed", "joined_kv")),
+    (PartitionAxis().logical_axis_rules(), ("batch", "sequence", "vocab")),
+    (PartitionAxis().logical_axis_rules(), ("expert", "head", "hidden_state")),
+    (PartitionAxis().logical_axis_rules(generation=True), ("batch", "key_sequence", "head")),
+    ([("a", "x"), ("a", "y"), ("b", "x"), ("b", None), ("c", "y")], ("a", "b", "c")),
+    ([("a", None), ("a", "x")], ("a",)),
+    ([("a", ("x", "y")), ("b", "y"), ("b", "x")], ("b", "a")),
+]
+
+
+@pytest.mark.parametrize(("rules", "axes"), TABLE)
+def test_agrees_with_flax_linen(rules, axes):
+    assert logical_to_mesh_axes(axes, rules) == nn.logical_to_mesh_axes(axes, rules)
+    with nn.logical_axis_rules(rules):
+        assert logical_to_mesh_axes(axes) == nn.logical_to_mesh_axes(axes)
+
+
+MESH_AXES = ["x", "y", "z"]
+LOGICAL = ["a", "b", "c", "d", "e"]
+targets = st.one_of(
+    st.none(),
+    st.sampled_from(MESH_AXES),
+    st.lists(st.sampled_from(MESH_AXES), min_size=1, max_size=2, unique=True).map(tuple),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rules=st.lists(st.tuples(st.sampled_from(LOGICAL), targets), max_size=8),
+    axes=st.lists(st.one_of(st.none(), st.sampled_from(LOGICAL)), max_size=4).filter(
+        lambda names: len({n for n in names if n}) == len([n for n in names if n])
+    ),
+)
+def test_agrees_with_flax_linen_on_random_rules(rules, axes):
+    assert logical_to_mesh_axes(axes, rules) == nn.logical_to_mesh_axes(axes, rules)
+
+
+def test_shape_aware_fallback_for_hidden_state():
+    mesh = create_mesh((1, 2, 1, 4, 1))  # fsdp=2, tp=4
+    resolution = resolve_logical_axes(("hidden_state",), shape=(6,), mesh=mesh, strict=True)
+    assert resolution.spec == P(("fsdp", "sp"))
+    assert [(p.logical_name, p.mesh_axes, p.size) for p in resolution.passed_over] == [
+        ("hidden_state", ("tp",), 6)
+    ]
+    assert resolution.ok
+    # Without the shape, flax's answer.
+    assert logical_to_mesh_axes(("hidden_state",), mesh=mesh) == P("tp")
+
+
+def test_passed_over_frees_the_axis_for_another_dimension():
+    mesh = create_mesh((1, 2, 1, 4, 1))
+    spec = logical_to_mesh_axes(("vocab", "hidden_state"), shape=(10, 8), mesh=mesh)
+    # vocab=10 cannot take tp=4, so it falls back to (fsdp, sp) of size 2; tp is then free for
+    # hidden_state.
+    assert spec == P(("fsdp", "sp"), "tp")
+
+
+def test_nothing_fits_leaves_the_dimension_unsharded():
+    mesh = create_mesh((1, 2, 1, 4, 1))
+    resolution = resolve_logical_axes(("hidden_state",), shape=(7,), mesh=mesh, strict=True)
+    assert resolution.spec == P(None)
+    assert len(resolution.passed_over) == 2
+
+
+def test_size_one_axes_are_fine():
+    mesh = create_mesh((1, 8, 1, 1, 1))
+    resolution = resolve_logical_axes(
+        ("batch", "sequence", "hidden_state"), shape=(8, 3, 5), mesh=mesh, strict=True
+    )
+    assert resolution.spec == P(("fsdp", "dp"), "sp", "tp")
+
+
+def test_axis_missing_from_the_mesh_is_corrected_and_recorded():
+    mesh = create_mesh((2, 4), ("data", "model"))
+    resolution = resolve_logical_axes(("batch", "hidden_state"), shape=(8, 8), mesh=mesh)
+    assert resolution.rules_spec == P(("fsdp", "dp"), "tp")
+    assert resolution.spec == P(None, None)
+    assert [(c.kind, c.dim, c.mesh_axes) for c in resolution.corrections] == [
+        ("not_in_mesh", 0, ("fsdp", "dp")),
+        ("not_in_mesh", 1, ("tp",)),
+    ]
+    assert not resolution.ok
+
+
+def test_strict_error_names_path_axes_shape_spec_mesh_and_fix():
+    mesh = create_mesh((2, 4), ("data", "model"))
+    with pytest.raises(ShardingResolutionError) as info:
+        resolve_logical_axes(
+            ("batch", "embed"),
+            [("batch", "data"), ("embed", "tp")],
+            shape=(8, 6),
+            mesh=mesh,
+            strict=True,
+            path="decoder/mlp/kernel",
+        )
+    message = str(info.value)
+    for fragment in (
+        "parameter 'decoder/mlp/kernel'",
+        "logical axes ('batch', 'embed')",
+        "shape (8, 6)",
+        "mesh {'data': 2, 'model': 4}",
+        f"resolve to {P('data', 'tp')}",
+        "mesh axis 'tp' is not in the mesh",
+        "Add the axis to the mesh",
+        "strict=False",
+    ):
+        assert fragment in message, (fragment, message)
+
+
+def test_unknown_names_are_recorded_and_raise_in_strict_mode():
+    resolution = resolve_logical_axes(("batch", "embed"), PartitionAxis())
+    assert resolution.unknown_names == ("embed",)
+    assert resolution.spec == P(("fsdp", "dp"), None)
+    with pytest.raises(
+        ShardingResolutionError, match=r"logical name 'embed' has no rule.*\('embed', None\)"
+    ):
+        resolve_logical_axes(("batch", "embed"), PartitionAxis(), strict=True)
+
+
+def test_repeated_names_and_rank_mismatch_always_raise():
+    with pytest.raises(ShardingResolutionError, match=r"'embed' names more than one dimension"):
+        resolve_logical_axes(("embed", "embed"))
+    with pytest.raises(
+        ShardingResolutionError,
+        match=r"parameter 'w': logical axes \('a', 'b'\) name 2 dimensions but the shape \(4,\)",
+    ):
+        resolve_logical_axes(("a", "b"), [], shape=(4,), path="w")
+
+
+def test_not_divisible_after_the_rules_is_corrected():
+    mesh = create_mesh((2, 4), ("data", "model"))
+    resolution = resolve_logical_axes(("a", "b"), [("a", "model"), ("b", "model")], mesh=mesh)
+    # Without a shape, only the mesh axes are checked; the rules already avoid reuse.
+    assert resolution.spec == P("model", None)
+    resolution = resolve_logical_axes(("a",), [("a", ("data", "model"))], shape=(6,), mesh=mesh)
+    assert resolution.spec == P(None)
+    assert resolution.passed_over[0].mesh_axes == ("data", "model")
+
+
+def test_unannotated_arrays_are_replicated():
+    assert resolve_logical_axes(None, shape=(3, 4)).spec == P(None, None)
+    assert logical_to_mesh_axes(None) == P()
+
+
+def test_rules_sources_and_precedence():
+    explicit = [("embed", "x")]
+    with nn.logical_axis_rules([("embed", "y")]):
+        assert logical_to_mesh_axes(("embed",)) == P("y")
+        assert logical_to_mesh_axes(("embed",), explicit) == P("x")
+        assert logical_to_mesh_axes(("hidden_state",), PartitionAxis()) == P("tp")
+    # No rules anywhere: the PartitionAxis defaults.
+    assert logical_to_mesh_axes(("hidden_state", "mlp_intermediate")) == P(("fsdp", "sp"), "tp")
+
+
+def test_context_mesh_is_used_when_none_is_given():
+    mesh = create_mesh((1, 2, 1, 4, 1))
+    with jax.set_mesh(mesh):
+        assert logical_to_mesh_axes(("hidden_state",), shape=(6,)) == P(("fsdp", "sp"))
+    assert logical_to_mesh_axes(("hidden_state",), shape=(6,)) == P("tp")
+
+
+def test_results_are_cached():
+    mesh = create_mesh((1, 4, 1, 2, 1))
+    first = resolve_logical_axes(("vocab", "hidden_state"), shape=(64, 32), mesh=mesh)
+    again = resolve_logical_axes(["vocab", "hidden_state"], shape=[64, 32], mesh=mesh)
+    assert first is again
+
+
+@pytest.mark.parametrize(
+    ("rules", "match"),
+    [
+        ([("a",)], r"each rule must be a \(logical name, mesh axes\) pair, got \('a',\)"),
+        (["ab"], r"each rule must be a \(logical name, mesh axes\) pair, got 'ab'"),
+        ([(1, "x")], r"the logical name of rule \(1, 'x'\) must be a string"),
+        ([("a", {"x"})], r"the mesh axes of rule \('a', \{'x'\}\) must be a name"),
+    ],
+)
+def test_bad_rules(rules, match):
+    with pytest.raises(EscaleError, match=match):
+        as_logical_rules(rules)
+
+
+def test_as_logical_rules_freezes_lists():
+    assert as_logical_rules([["a", ["x", "y"]]]) == (("a", ("x", "y")),)
+    frozen = (("a", "x"),)
+    assert as_logical_rules(frozen) is frozen
