@@ -29,7 +29,8 @@ def _split_by_type(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> tuple[list
 def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> jax.Array:
     """Constrains ``x`` to ``spec`` on ``mesh``, in or out of ``jax.jit``.
 
-    ``jax.lax.with_sharding_constraint`` only acts on Auto mesh axes and
+    A concrete array on a concrete mesh is simply placed with ``jax.device_put``. While
+    tracing, ``jax.lax.with_sharding_constraint`` only acts on Auto mesh axes and
     ``jax.sharding.reshard`` only on Explicit ones, so the spec is split by axis type and each
     part goes to the call that acts on it. ``spec`` must already be valid for ``x`` (see
     :func:`~flax_escale.resolve.fit.fit_spec`).
@@ -39,6 +40,8 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
         >>> apply_spec(jnp.zeros((4, 8)), PartitionSpec(None, "tp"), mesh).sharding.spec
         P(None, 'tp')
     """
+    if isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, NamedSharding(mesh, spec))
     explicit, auto = _split_by_type(spec, mesh)
     if AxisType.Explicit in mesh.axis_types:
         x = jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*explicit)))
