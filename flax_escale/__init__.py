@@ -5,6 +5,7 @@ Everything users need is importable from here; what is specific to one Flax API 
 """
 
 from flax_escale.axes import (
+    AxesPatterns,
     AxisNames,
     LogicalRules,
     MeshAxes,
@@ -19,6 +20,7 @@ from flax_escale.errors import (
     ShardingCorrectionWarning,
     ShardingResolutionError,
 )
+from flax_escale.frontend import init_sharded, sharded_module
 from flax_escale.mesh import (
     DEFAULT_AXIS_DIMS,
     DEFAULT_AXIS_NAMES,
@@ -49,14 +51,27 @@ from flax_escale.resolve import (
     fit_spec,
     logical_to_mesh_axes,
     resolve_logical_axes,
+    resolve_mesh_axes,
 )
-from flax_escale.sharding import apply_spec, constrain, with_sharding_constraint
+from flax_escale.sharding import (
+    Annotation,
+    PlanEntry,
+    ShardingPlan,
+    apply_spec,
+    constrain,
+    init_opt_state,
+    opt_state_shardings,
+    use_sharding,
+    with_sharding_constraint,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
+    "Annotation",
+    "AxesPatterns",
     "AxisNames",
     "AxisTypeLike",
     "Correction",
@@ -70,9 +85,11 @@ __all__ = [
     "NoMeshError",
     "PartitionAxis",
     "PassedOver",
+    "PlanEntry",
     "Resolution",
     "RulesLike",
     "ShardingCorrectionWarning",
+    "ShardingPlan",
     "ShardingResolutionError",
     "apply_spec",
     "as_logical_rules",
@@ -88,12 +105,18 @@ __all__ = [
     "get_mesh_axis_names",
     "get_mesh_axis_size",
     "get_submesh_device_index",
+    "init_opt_state",
+    "init_sharded",
     "logical_to_mesh_axes",
     "names_in_current_mesh",
+    "opt_state_shardings",
     "parse_mesh_from_string",
     "parse_mesh_shape",
     "resolve_axis_dims",
     "resolve_logical_axes",
+    "resolve_mesh_axes",
+    "sharded_module",
     "standard_logical_axis_rules",
+    "use_sharding",
     "with_sharding_constraint",
 ]

@@ -1,6 +1,7 @@
 """Runs the examples in every docstring of the package as doctests.
 
-Examples see their own module's names, plus ``jax``, ``jnp``, ``np`` and every name in
+Examples see their own module's names, plus ``jax``, ``jnp``, ``np``, ``nn`` (Linen), ``nnx``,
+``optax``, ``NamedSharding``, ``PartitionSpec`` and every name in
 ``flax_escale.__all__`` without importing them, as a user who did ``from flax_escale import *``
 would. ``PartitionSpec(...)`` and ``P(...)`` compare equal in outputs: jax changed the repr
 between the supported versions.
@@ -10,10 +11,14 @@ import doctest
 import importlib
 import pkgutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import flax_escale
 
@@ -39,7 +44,8 @@ class _SpecReprChecker(doctest.OutputChecker):
 def test_docstring_examples(module_name):
     module = importlib.import_module(module_name)
     globs = {name: getattr(flax_escale, name) for name in flax_escale.__all__}
-    globs.update(jax=jax, jnp=jnp, np=np)
+    globs.update(jax=jax, jnp=jnp, np=np, nn=nn, nnx=nnx, optax=optax)
+    globs.update(NamedSharding=NamedSharding, PartitionSpec=PartitionSpec)
     globs.update(vars(module))
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(

@@ -1,7 +1,18 @@
-"""The Flax Linen front end of flax_escale.
+"""The Flax Linen front end: declare logical axes on modules, initialize them sharded.
 
-Linen-specific tools (``sharded_module``, ``init_sharded``) are added here by the Linen front-end
-work; the mesh and logical-axis tools they build on are in :mod:`flax_escale`.
+Example:
+    >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    ... class Up(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(16, use_bias=False)(x)
+    >>> mesh = create_mesh((1, 4, 1, 2, 1))
+    >>> params = init_sharded(Up(), mesh, jax.random.key(0), jnp.ones((2, 8)))["params"]
+    >>> params["Dense_0"]["kernel"].sharding.spec
+    P(('fsdp', 'sp'), 'tp')
 """
 
-__all__: list[str] = []
+from flax_escale.linen.annotate import ShardedMixin, sharded_module
+from flax_escale.linen.init import init_sharded, init_train_state, plan_sharding
+
+__all__ = ["ShardedMixin", "init_sharded", "init_train_state", "plan_sharding", "sharded_module"]

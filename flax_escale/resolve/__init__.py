@@ -9,6 +9,7 @@ from flax_escale.resolve.logical import (
     as_logical_rules,
     logical_to_mesh_axes,
     resolve_logical_axes,
+    resolve_mesh_axes,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "fit_spec",
     "logical_to_mesh_axes",
     "resolve_logical_axes",
+    "resolve_mesh_axes",
 ]

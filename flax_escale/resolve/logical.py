@@ -31,6 +31,7 @@ __all__ = [
     "as_logical_rules",
     "logical_to_mesh_axes",
     "resolve_logical_axes",
+    "resolve_mesh_axes",
 ]
 
 LogicalAxes: TypeAlias = Sequence[str | None] | None
@@ -103,8 +104,13 @@ class Resolution:
             f"or use a PartitionAxis name such as {_KNOWN_HINT}."
             for name in self.unknown_names
         ]
+        given = (
+            f"mesh axes {self.rules_spec}"
+            if self.logical_axes is None
+            else f"logical axes {self.logical_axes}"
+        )
         return (
-            f"{where}logical axes {self.logical_axes} with shape {self.shape} on mesh {mesh} "
+            f"{where}{given} with shape {self.shape} on mesh {mesh} "
             f"resolve to {self.rules_spec}, corrected to {self.spec}:\n  - "
             + "\n  - ".join(problems)
         )
@@ -229,6 +235,41 @@ def resolve_logical_axes(
     resolution = _resolve(names, frozen_rules, None if shape is None else tuple(shape), mesh_shape)
     if isinstance(resolution, str):
         raise ShardingResolutionError((f"parameter {path!r}: " if path else "") + resolution)
+    if strict and not resolution.ok:
+        raise ShardingResolutionError(
+            resolution.describe(path) + "\n(strict=True; pass strict=False to correct instead.)"
+        )
+    return resolution
+
+
+def resolve_mesh_axes(
+    spec: Sequence[Any],
+    *,
+    shape: Sequence[int],
+    mesh: Mesh | AbstractMesh,
+    strict: bool = False,
+    path: str | None = None,
+) -> Resolution:
+    """Checks a spec given directly in mesh axes, as :func:`resolve_logical_axes` checks rules.
+
+    For arrays annotated with mesh axes rather than logical names (``nn.with_partitioning``,
+    NNX ``sharding`` metadata in mesh axes): the spec is fitted to the shape and mesh, and every
+    correction is recorded in the same :class:`Resolution` a logical annotation gives.
+
+    Raises:
+        ShardingResolutionError: In strict mode, if the spec had to be corrected.
+
+    Example:
+        >>> mesh = create_mesh((2, 4), ("dp", "tp"))
+        >>> r = resolve_mesh_axes(("dp", "tp"), shape=(8, 6), mesh=mesh)
+        >>> r.spec, r.corrections[0].kind
+        (P('dp', None), 'not_divisible')
+    """
+    rules_spec = PartitionSpec(*spec)
+    fitted, corrections = fit_spec(rules_spec, shape, mesh.shape)
+    resolution = Resolution(
+        None, fitted, tuple(shape), tuple(mesh.shape.items()), rules_spec, corrections
+    )
     if strict and not resolution.ok:
         raise ShardingResolutionError(
             resolution.describe(path) + "\n(strict=True; pass strict=False to correct instead.)"

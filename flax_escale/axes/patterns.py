@@ -1,0 +1,95 @@
+"""Logical axes declared by parameter-path patterns, as ``sharded_module`` takes them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+from flax_escale.errors import EscaleError, EscaleTypeError
+
+__all__ = ["AxesPatterns"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AxesPatterns:
+    """An ordered mapping from parameter-path patterns to logical axes, compiled once.
+
+    A pattern is a regular expression matched against the end of a parameter's path relative to
+    the declaring module, on whole ``/``-separated components: ``"kernel"`` matches ``kernel``
+    and ``wi/kernel``, ``"wi/kernel"`` matches ``wi/kernel`` and ``block/wi/kernel`` but not
+    ``xwi/kernel``. The first pattern that matches wins.
+
+    Attributes:
+        owner: Who declared the patterns (a class name), for messages.
+        entries: ``(pattern, compiled regex, logical axes)`` in declaration order.
+
+    Example:
+        >>> p = AxesPatterns.compile("MLP", {"wi/kernel": ("hidden_state", "mlp_intermediate"),
+        ...                                  "kernel": ("mlp_intermediate", "hidden_state")})
+        >>> p.match("wi/kernel")
+        ('wi/kernel', ('hidden_state', 'mlp_intermediate'))
+        >>> p.match("wo/kernel")
+        ('kernel', ('mlp_intermediate', 'hidden_state'))
+        >>> p.match("wo/bias") is None
+        True
+    """
+
+    owner: str
+    entries: tuple[tuple[str, re.Pattern[str], tuple[str | None, ...]], ...] = ()
+
+    @classmethod
+    def compile(
+        cls, owner: str, logical_axes: Mapping[str, Sequence[str | None]] | None
+    ) -> AxesPatterns:
+        """Checks and compiles ``{pattern: logical axes}``.
+
+        Raises:
+            EscaleTypeError: If it is not a mapping of strings to sequences of names or ``None``.
+            EscaleError: If a pattern is not a valid regular expression.
+        """
+        if logical_axes is None:
+            return cls(owner)
+        if not isinstance(logical_axes, Mapping):
+            raise EscaleTypeError(
+                f"{owner}: logical_axes must map parameter-path patterns to logical axes, such "
+                f'as {{"kernel": ("hidden_state", "mlp_intermediate")}}; got {logical_axes!r}.'
+            )
+        entries = []
+        for pattern, names in logical_axes.items():
+            if not isinstance(pattern, str):
+                raise EscaleTypeError(f"{owner}: pattern {pattern!r} must be a string.")
+            if (
+                isinstance(names, str)
+                or not isinstance(names, Sequence)
+                or not all(n is None or isinstance(n, str) for n in names)
+            ):
+                raise EscaleTypeError(
+                    f"{owner}: the logical axes of pattern {pattern!r} must be a tuple with one "
+                    f"logical name (or None) per dimension, such as ('hidden_state', None); "
+                    f"got {names!r}."
+                )
+            try:
+                regex = re.compile(rf"(?:.*/)?(?:{pattern})")
+            except re.error as error:
+                raise EscaleError(
+                    f"{owner}: pattern {pattern!r} is not a valid regular expression: {error}."
+                ) from None
+            entries.append((pattern, regex, tuple(names)))
+        return cls(owner, tuple(entries))
+
+    def then(self, fallback: AxesPatterns) -> AxesPatterns:
+        """These patterns first, then ``fallback``'s (a subclass's before its parent's)."""
+        return dataclasses.replace(self, entries=self.entries + fallback.entries)
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The patterns, in order."""
+        return tuple(pattern for pattern, _, _ in self.entries)
+
+    def match(self, path: str) -> tuple[str, tuple[str | None, ...]] | None:
+        """The first ``(pattern, logical axes)`` whose pattern matches ``path``, if any."""
+        for pattern, regex, names in self.entries:
+            if regex.fullmatch(path):
+                return pattern, names
+        return None

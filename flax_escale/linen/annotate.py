@@ -1,0 +1,246 @@
+"""``sharded_module`` for Linen: logical names attached to parameters as they are created.
+
+A decorated class declares ``{path pattern: logical axes}``. While a model initializes, a Flax
+method interceptor looks at each module's parameters right after the module's method ran and
+boxes every unannotated one that a pattern of an enclosing decorated module matches in
+``nn.LogicallyPartitioned`` (innermost declaring module first). Boxing inside the method, not
+afterwards, is what lets ``nn.scan`` add its stacked axis to the names. Values are untouched,
+and outside initialization nothing runs at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import flax.linen as nn
+from flax.core import meta
+
+from flax_escale.axes.patterns import AxesPatterns
+from flax_escale.errors import EscaleError, EscaleTypeError
+
+__all__ = ["ShardedMixin", "annotating", "sharded_module"]
+
+M = TypeVar("M", bound=type[nn.Module])
+
+_PATTERNS = "__escale_patterns__"
+_WRAPPED = "__escale_wrapped__"
+_state = threading.local()
+
+
+class Annotator:
+    """Boxes parameters as modules create them; records what it did, for the sharding plan.
+
+    Attributes:
+        owners: Decorated modules seen, by path.
+        sources: For each annotated parameter path, the class and pattern that annotated it.
+        matched: ``(owner, pattern)`` pairs that matched at least one parameter.
+    """
+
+    def __init__(self) -> None:
+        self.owners: dict[tuple[str, ...], AxesPatterns] = {}
+        self.sources: dict[str, str] = {}
+        self.matched: set[tuple[str, str]] = set()
+
+    def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        if module.scope is None or not module.is_initializing():
+            return next_fun(*args, **kwargs)
+        path = tuple(module.path)
+        patterns = getattr(type(module), _PATTERNS, None)
+        if patterns is not None:
+            self.owners[path] = patterns
+        out = next_fun(*args, **kwargs)
+        self._annotate(module, path)
+        return out
+
+    def _annotate(self, module: nn.Module, path: tuple[str, ...]) -> None:
+        variables = module.variables
+        axes_metadata = variables.get("params_axes", {})
+        for name, value in variables.get("params", {}).items():
+            if isinstance(value, (Mapping, meta.AxisMetadata)) or f"{name}_axes" in axes_metadata:
+                continue
+            full = (*path, name)
+            found = self._lookup(full)
+            if found is None:
+                continue
+            owner, pattern, names = found
+            if len(names) != value.ndim:
+                raise EscaleError(
+                    f"{owner}: parameter {'/'.join(full)!r} of shape {tuple(value.shape)} matches "
+                    f"pattern {pattern!r}, whose logical axes {names} name {len(names)} "
+                    f"dimensions instead of {value.ndim}. Give one logical name per dimension "
+                    "(inside nn.scan, name the per-layer dimensions: the stacked one is added by "
+                    "metadata_params={nn.PARTITION_NAME: 'layers'})."
+                )
+            module.put_variable("params", name, nn.LogicallyPartitioned(value, names))
+            self.sources["params/" + "/".join(full)] = f"{owner}[{pattern!r}]"
+            self.matched.add((owner, pattern))
+
+    def _lookup(self, full: tuple[str, ...]) -> tuple[str, str, tuple[str | None, ...]] | None:
+        for depth in range(len(full) - 1, -1, -1):
+            patterns = self.owners.get(full[:depth])
+            found = None if patterns is None else patterns.match("/".join(full[depth:]))
+            if found is not None:
+                return patterns.owner, *found
+        return None
+
+    def unused(self) -> list[str]:
+        """A note for every declared pattern that matched no parameter."""
+        seen = {}
+        for patterns in self.owners.values():
+            seen.setdefault(patterns.owner, patterns)
+        return [
+            f"{owner}: pattern {pattern!r} matched no parameter; its parameters are "
+            f"{self._params_of(owner)}. Fix the pattern or remove it."
+            for owner, patterns in seen.items()
+            for pattern in patterns.patterns
+            if (owner, pattern) not in self.matched
+        ]
+
+    def _params_of(self, owner: str) -> list[str]:
+        roots = ["/".join(p) for p, pats in self.owners.items() if pats.owner == owner]
+        return sorted(
+            path for path in self.sources if any(path.startswith(f"params/{r}") for r in roots)
+        ) or ["(none annotated)"]
+
+
+@contextlib.contextmanager
+def annotating() -> Iterator[Annotator]:
+    """Annotates parameters of decorated modules created inside; yields the annotator.
+
+    Re-entrant: inside an active one, yields that one. ``init_sharded`` enters it so that the
+    plan can report where every annotation came from and which patterns matched nothing.
+    """
+    active = getattr(_state, "annotator", None)
+    if active is not None:
+        yield active
+        return
+    annotator = Annotator()
+    _state.annotator = annotator
+    try:
+        with nn.intercept_methods(annotator):
+            yield annotator
+    finally:
+        _state.annotator = None
+
+
+def _annotating_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_state, "annotator", None) is not None or not _initializing(self):
+            return method(self, *args, **kwargs)
+        with annotating():
+            return method(self, *args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+def _initializing(module: nn.Module) -> bool:
+    return module.scope is not None and module.is_initializing()
+
+
+def _install(cls: type[nn.Module], logical_axes: Mapping[str, Sequence[str | None]] | None) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise EscaleTypeError(
+            f"flax_escale.linen.sharded_module decorates flax.linen.Module classes, got {cls!r}."
+        )
+    patterns = AxesPatterns.compile(cls.__qualname__, logical_axes)
+    inherited = getattr(cls, _PATTERNS, None)
+    setattr(cls, _PATTERNS, patterns if inherited is None else patterns.then(inherited))
+    for name in dir(cls):
+        method = getattr(cls, name, None)
+        if getattr(method, "method_handler_wrapped", False) and not hasattr(method, _WRAPPED):
+            setattr(cls, name, _annotating_method(method))
+
+
+class ShardedMixin:
+    """Inherit it (before ``nn.Module``) to declare parameters' logical axes as a class attribute.
+
+    ``logical_axes`` has the form :func:`sharded_module` takes. Subclasses inherit the patterns
+    of their parents and may add their own, which are tried first.
+
+    Example:
+        >>> class MLP(ShardedMixin, nn.Module):
+        ...     logical_axes = {"wi/kernel": ("hidden_state", "mlp_intermediate"),
+        ...                     "wo/kernel": ("mlp_intermediate", "hidden_state")}
+        ...
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(4, name="wo")(nn.Dense(16, name="wi")(x))
+        >>> params = MLP().init(jax.random.key(0), jnp.ones((2, 4)))["params"]
+        >>> params["wi"]["kernel"].names
+        ('hidden_state', 'mlp_intermediate')
+    """
+
+    logical_axes: ClassVar[Mapping[str, Sequence[str | None]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _install(cls, cls.__dict__.get("logical_axes"))
+
+
+def sharded_module(
+    cls: M | Mapping[str, Sequence[str | None]] | None = None,
+    /,
+    logical_axes: Mapping[str, Sequence[str | None]] | None = None,
+) -> Any:
+    """Declares the logical axes of a Linen module's parameters, by path pattern.
+
+    ``logical_axes`` maps patterns of parameter paths, relative to the module, to one logical
+    name per dimension (``PartitionAxis`` names such as ``"hidden_state"``, or any name your
+    rules know). A pattern is a regular expression matched on whole trailing path components
+    (see :class:`~flax_escale.axes.patterns.AxesPatterns`), the first match wins, and it reaches
+    into submodules, so Flax layers (``nn.Dense``, ``nn.Embed``, ``nn.LayerNorm``, ...) are
+    covered without rewriting them. Parameters created inside are boxed in
+    ``nn.LogicallyPartitioned`` during initialization, so everything that understands Flax's
+    logical partitioning understands them; their values are those of the undecorated module,
+    and the module runs as before with no mesh. Parameters Flax already annotates
+    (``nn.with_logical_partitioning``, ``nn.with_partitioning``, ``param_with_axes``) keep their
+    annotation, and the innermost decorated module's patterns win. Inside ``nn.scan`` give
+    ``metadata_params={nn.PARTITION_NAME: "layers"}``: the stacked axis is named ``layers``,
+    unsharded by the default rules. Subclasses are decorated too.
+
+    Use it as ``@sharded_module({...})``, ``@sharded_module(logical_axes={...})``, or bare on a
+    :class:`ShardedMixin`-style class that sets a ``logical_axes`` class attribute.
+
+    Args:
+        cls: The class (bare use), or the ``logical_axes`` mapping.
+        logical_axes: ``{pattern: logical axes}``.
+
+    Returns:
+        The class itself, decorated (or a decorator when called with the mapping).
+
+    Raises:
+        EscaleTypeError: If the class is not a Linen module or the mapping is malformed.
+
+    Example:
+        >>> @sharded_module({"kernel": ("hidden_state", "vocab"), "bias": ("vocab",)})
+        ... class Head(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(32)(x)
+        >>> params = Head().init(jax.random.key(0), jnp.ones((2, 8)))["params"]
+        >>> params["Dense_0"]["kernel"].names, params["Dense_0"]["bias"].names
+        (('hidden_state', 'vocab'), ('vocab',))
+    """
+    if cls is None or isinstance(cls, Mapping):
+        declared = cls if logical_axes is None else logical_axes
+        return functools.partial(sharded_module, logical_axes=declared)
+    if logical_axes is None and isinstance(cls, type) and issubclass(cls, ShardedMixin):
+        return cls
+    declared = cls.__dict__.get("logical_axes") if logical_axes is None else logical_axes
+    _install(cls, declared)
+    if not issubclass(cls, ShardedMixin) and "__init_subclass__" not in cls.__dict__:
+        decorated = cls
+
+        def init_subclass(sub: type[nn.Module], **kwargs: Any) -> None:
+            super(decorated, sub).__init_subclass__(**kwargs)
+            _install(sub, sub.__dict__.get("logical_axes"))
+
+        cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+    return cls

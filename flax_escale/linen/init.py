@@ -1,0 +1,231 @@
+"""Linen models initialized directly in their sharded layout, with their optimizer state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+from flax.core import meta
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh
+
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.linen.annotate import annotating
+from flax_escale.resolve.logical import RulesLike, as_logical_rules
+from flax_escale.sharding.context import use_sharding
+from flax_escale.sharding.optimizer import init_opt_state
+from flax_escale.sharding.plan import Annotation, ShardingPlan, build_plan
+
+__all__ = ["init_sharded", "init_train_state", "plan_sharding"]
+
+
+def plan_sharding(
+    model: nn.Module,
+    mesh: Mesh,
+    rng: Any,
+    *inputs: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    method: Callable[..., Any] | str | None = None,
+    **init_kwargs: Any,
+) -> ShardingPlan:
+    """The sharding every variable of ``model.init(rng, *inputs)`` gets, without running it.
+
+    ``model.init`` is only traced (``jax.eval_shape``) under ``mesh`` and ``rules``. Logical
+    annotations (``sharded_module`` patterns, ``nn.with_logical_partitioning``,
+    ``param_with_axes``) resolve with the one resolver, shape-aware; mesh-axis annotations
+    (``nn.with_partitioning``) are checked against the shapes and mesh; unannotated variables
+    are replicated.
+
+    Args:
+        model: The Linen module.
+        mesh: The mesh.
+        rng: What ``model.init`` takes: a key or a dict of keys.
+        *inputs: Example inputs for ``model.init``.
+        rules: The logical-axis rules (a ``PartitionAxis`` is translated); defaults to those
+            already set with ``nn.logical_axis_rules``, then to ``PartitionAxis()``'s.
+        strict: Raise on any correction, logical name without a rule, or unused pattern.
+        method: Passed to ``model.init``.
+        **init_kwargs: Passed to ``model.init``.
+
+    Returns:
+        The :class:`~flax_escale.ShardingPlan`: specs, shardings, corrections, and
+        ``describe()`` for a table.
+
+    Raises:
+        ShardingResolutionError: With ``strict=True``, if a spec had to be corrected or a
+            logical name has no rule.
+        EscaleError: With ``strict=True``, if a ``sharded_module`` pattern matched nothing.
+    """
+    _check_model(model)
+    with use_sharding(mesh, rules) as frozen, annotating() as annotator:
+        abstract = jax.eval_shape(
+            _initializer(model, method, init_kwargs, unbox=False), rng, *inputs
+        )
+    treedef, items = _plan_items(abstract, annotator.sources)
+    return build_plan(treedef, items, mesh, rules=frozen, strict=strict, notes=annotator.unused())
+
+
+def init_sharded(
+    model: nn.Module,
+    mesh: Mesh,
+    rng: Any,
+    *inputs: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    method: Callable[..., Any] | str | None = None,
+    **init_kwargs: Any,
+) -> dict[str, Any]:
+    """``model.init(rng, *inputs)``, with every variable created directly in its sharding.
+
+    The shardings come from :func:`plan_sharding` (call it with the same arguments to inspect
+    them); the variables are made by one ``jax.jit(model.init, out_shardings=...)``, so no
+    device ever holds a whole parameter that its spec splits. The values are those of
+    ``jax.jit(model.init)`` on one device. Annotation boxes are removed: every leaf is a plain
+    ``jax.Array`` with a ``NamedSharding``.
+
+    Args:
+        model: The Linen module.
+        mesh: The mesh.
+        rng: A key or a dict of keys, as ``model.init`` takes.
+        *inputs: Example inputs for ``model.init``.
+        rules: The logical-axis rules; see :func:`plan_sharding`.
+        strict: Raise instead of correcting; see :func:`plan_sharding`.
+        method: Passed to ``model.init``.
+        **init_kwargs: Passed to ``model.init``.
+
+    Returns:
+        The variables, unboxed and sharded.
+
+    Example:
+        >>> mesh = create_mesh((1, 4, 1, 2, 1))
+        >>> model = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+        >>> variables = init_sharded(model, mesh, jax.random.key(0), jnp.ones((2, 8)))
+        >>> variables["params"]["kernel"].sharding.spec
+        P(('fsdp', 'sp'), 'tp')
+    """
+    plan = plan_sharding(
+        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+    )
+    init = _initializer(model, method, init_kwargs, unbox=True)
+    with use_sharding(mesh, rules):
+        return jax.jit(init, out_shardings=plan.shardings())(rng, *inputs)
+
+
+def init_train_state(
+    model: nn.Module,
+    mesh: Mesh,
+    rng: Any,
+    *inputs: Any,
+    tx: optax.GradientTransformation,
+    rules: RulesLike = None,
+    strict: bool = False,
+    shard_over: Sequence[str] = (),
+    method: Callable[..., Any] | str | None = None,
+    **init_kwargs: Any,
+) -> TrainState:
+    """A Flax ``TrainState`` whose parameters and optimizer state are born sharded.
+
+    The parameters come from :func:`init_sharded`; the optimizer state from
+    :func:`~flax_escale.init_opt_state`, each leaf in its parameter's sharding (and split over
+    ``shard_over`` too, ZeRO-1 style). ``apply_fn`` is ``model.apply``.
+
+    Args:
+        model: The Linen module.
+        mesh: The mesh.
+        rng: A key or a dict of keys, as ``model.init`` takes.
+        *inputs: Example inputs for ``model.init``.
+        tx: The optax transformation.
+        rules: The logical-axis rules; see :func:`plan_sharding`.
+        strict: Raise instead of correcting; see :func:`plan_sharding`.
+        shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
+        method: Passed to ``model.init``.
+        **init_kwargs: Passed to ``model.init``.
+
+    Returns:
+        The train state, at step 0.
+
+    Raises:
+        EscaleError: If the model has variables besides ``params`` (a ``TrainState`` holds only
+            parameters): use :func:`init_sharded` and :func:`~flax_escale.init_opt_state`.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> model = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+        >>> state = init_train_state(model, mesh, jax.random.key(0), jnp.ones((2, 8)),
+        ...                          tx=optax.adam(1e-3))
+        >>> state.opt_state[0].mu["kernel"].sharding.spec
+        P(('fsdp', 'sp'), 'tp')
+    """
+    variables = init_sharded(
+        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+    )
+    others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
+    if others:
+        raise EscaleError(
+            f"the model has variable collections {others} besides 'params', which a TrainState "
+            "would drop; use init_sharded(...) and init_opt_state(tx, variables['params']) and "
+            "keep the other collections yourself."
+        )
+    params = variables["params"]
+    opt_state = init_opt_state(tx, params, shard_over=shard_over)
+    return TrainState(step=0, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise EscaleTypeError(
+            f"model must be a flax.linen.Module instance, got {model!r}; for an NNX model use "
+            "flax_escale.nnx.init_sharded (or flax_escale.init_sharded, which dispatches)."
+        )
+
+
+def _initializer(
+    model: nn.Module, method: Any, init_kwargs: dict[str, Any], *, unbox: bool
+) -> Callable[..., Any]:
+    def init(rng: Any, *inputs: Any) -> Any:
+        variables = model.init(rng, *inputs, method=method, **init_kwargs)
+        return meta.unbox(variables) if unbox else variables
+
+    return init
+
+
+def _plan_items(
+    abstract: Any, sources: dict[str, str]
+) -> tuple[Any, list[tuple[str, Any, Annotation | None]]]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
+    )
+    params_axes = abstract.get("params_axes", {})
+    items = []
+    for key_path, leaf in flat:
+        keys = [str(getattr(k, "key", k)) for k in key_path]
+        path = "/".join(keys)
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
+            source = sources.get(path, "nn.with_logical_partitioning")
+            annotation = Annotation(tuple(leaf.names), source=source, rules=rules)
+        elif isinstance(leaf, nn.Partitioned):
+            annotation = Annotation(mesh_axes=tuple(leaf.names), source="nn.with_partitioning")
+        else:
+            annotation = _param_with_axes(params_axes, keys)
+        items.append((path, meta.unbox(leaf), annotation))
+    return treedef, items
+
+
+def _param_with_axes(params_axes: Any, keys: list[str]) -> Annotation | None:
+    # flax.linen.partitioning.param_with_axes keeps names in 'params_axes', under '<name>_axes'.
+    if not keys or keys[0] != "params":
+        return None
+    node = params_axes
+    for key in keys[1:-1]:
+        node = node.get(key, {}) if hasattr(node, "get") else {}
+    found = node.get(f"{keys[-1]}_axes") if hasattr(node, "get") else None
+    if found is None:
+        return None
+    return Annotation(tuple(found.names), source="param_with_axes")

@@ -1,0 +1,117 @@
+"""Optimizer state born sharded: each state leaf follows the sharding of its parameter."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_escale.errors import EscaleError
+from flax_escale.resolve.fit import mesh_axes_of
+
+__all__ = ["init_opt_state", "opt_state_shardings"]
+
+
+def opt_state_shardings(
+    tx: optax.GradientTransformation, params: Any, *, shard_over: Sequence[str] = ()
+) -> Any:
+    """The sharding of every leaf of ``tx.init(params)``, computed without running it.
+
+    A state leaf shaped like its parameter (Adam's moments, momentum) takes the parameter's
+    sharding; any other leaf (step counts, factored statistics) is replicated. With
+    ``shard_over`` (ZeRO-1), parameter-shaped leaves are also split over those mesh axes, on the
+    first dimension they divide, so each data-parallel replica keeps only its part of the state.
+
+    Args:
+        tx: The optax transformation.
+        params: The parameters: arrays (or ``jax.ShapeDtypeStruct``) carrying ``NamedSharding``.
+        shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
+
+    Returns:
+        A tree of ``NamedSharding`` shaped like the optimizer state.
+
+    Raises:
+        EscaleError: If a parameter has no ``NamedSharding`` or ``shard_over`` names an axis the
+            mesh lacks.
+
+    Example:
+        >>> mesh = create_mesh((2, 4, 1, 1, 1))
+        >>> w = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, PartitionSpec("fsdp")))
+        >>> s = opt_state_shardings(optax.adam(1e-3), {"w": w}, shard_over=("dp",))
+        >>> s[0].mu["w"].spec, s[0].count.spec
+        (P(('fsdp', 'dp'), None), P())
+    """
+    shardings = jax.tree.map(_named_sharding, params)
+    meshes = {s.mesh for s in jax.tree.leaves(shardings)}
+    if len(meshes) != 1:
+        raise EscaleError(
+            f"params: the parameters must all be sharded on one mesh, found {len(meshes)}."
+        )
+    mesh = meshes.pop()
+    missing = [a for a in shard_over if a not in mesh.shape]
+    if missing:
+        raise EscaleError(
+            f"shard_over={tuple(shard_over)}: mesh axis {missing[0]!r} is not in the mesh "
+            f"{dict(mesh.shape)}; name axes of the mesh."
+        )
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def follow(leaf: Any, param: Any, sharding: NamedSharding) -> NamedSharding:
+        if tuple(leaf.shape) != tuple(param.shape):
+            return replicated
+        spec = _add_axes(sharding.spec, param.shape, shard_over, mesh.shape)
+        return NamedSharding(mesh, spec)
+
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(
+        tx, follow, abstract, params, shardings, transform_non_params=lambda _: replicated
+    )
+
+
+def init_opt_state(
+    tx: optax.GradientTransformation, params: Any, *, shard_over: Sequence[str] = ()
+) -> Any:
+    """``tx.init(params)``, created directly in the shardings of :func:`opt_state_shardings`.
+
+    One ``jax.jit`` with ``out_shardings``: no state leaf is ever whole on one device.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> w = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, PartitionSpec("fsdp")))
+        >>> state = init_opt_state(optax.adam(1e-3), {"w": w})
+        >>> state[0].nu["w"].sharding.spec, state[0].nu["w"].addressable_shards[0].data.shape
+        (P('fsdp',), (2, 4))
+    """
+    shardings = opt_state_shardings(tx, params, shard_over=shard_over)
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def _named_sharding(param: Any) -> NamedSharding:
+    sharding = getattr(param, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        raise EscaleError(
+            f"params: a parameter of shape {getattr(param, 'shape', '?')} has sharding "
+            f"{sharding!r}, not a NamedSharding; create the parameters with init_sharded (or "
+            "jax.device_put them with a NamedSharding) first."
+        )
+    return sharding
+
+
+def _add_axes(
+    spec: PartitionSpec, shape: Sequence[int], axes: Sequence[str], mesh_shape: Any
+) -> PartitionSpec:
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for entry in entries for a in mesh_axes_of(entry)}
+    extra = tuple(a for a in axes if a not in used and mesh_shape[a] > 1)
+    if not extra:
+        return spec
+    for dim, size in enumerate(shape):
+        combined = mesh_axes_of(entries[dim]) + extra
+        if size % math.prod(mesh_shape[a] for a in combined) == 0:
+            entries[dim] = combined[0] if len(combined) == 1 else combined
+            return PartitionSpec(*entries)
+    return spec

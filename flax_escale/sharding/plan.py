@@ -1,0 +1,223 @@
+"""A sharding plan: every array of a model, its annotation, and the spec it resolved to.
+
+Both front ends build one from the abstract variables (``jax.eval_shape``) before anything is
+materialized; ``init_sharded`` takes its ``out_shardings`` from it, and the same object lists
+every correction, every unannotated array and every note for inspection and reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_escale.axes.partition_axis import LogicalRules
+from flax_escale.errors import EscaleError, ShardingCorrectionWarning
+from flax_escale.resolve.fit import Correction, mesh_axes_of
+from flax_escale.resolve.logical import (
+    Resolution,
+    RulesLike,
+    resolve_logical_axes,
+    resolve_mesh_axes,
+)
+
+__all__ = ["Annotation", "PlanEntry", "ShardingPlan", "build_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Annotation:
+    """How one array was annotated: logical names or mesh axes, and where that came from.
+
+    Attributes:
+        logical_axes: One logical name (or ``None``) per dimension, if annotated logically.
+        mesh_axes: One spec entry per dimension, if annotated directly in mesh axes.
+        source: Who annotated it, for reports (a pattern of a ``sharded_module``, a Flax box).
+        rules: Rules the annotation carries itself (Flax boxes may); they win over the plan's.
+    """
+
+    logical_axes: tuple[str | None, ...] | None = None
+    mesh_axes: tuple[Any, ...] | None = None
+    source: str = ""
+    rules: LogicalRules | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """One array of the plan.
+
+    Attributes:
+        path: The array's path in the variables, ``/``-separated.
+        shape: The array's shape.
+        dtype: The array's dtype.
+        annotation: Its annotation, or ``None`` if it has none (it is replicated).
+        resolution: The resolved spec with what was passed over and corrected.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    annotation: Annotation | None
+    resolution: Resolution
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The resolved ``PartitionSpec``."""
+        return self.resolution.spec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole array."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def nbytes_per_device(self, mesh: Mesh) -> int:
+        """Bytes of the shard each device holds."""
+        axes = [a for entry in self.spec for a in mesh_axes_of(entry)]
+        return self.nbytes // math.prod(mesh.shape[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """The resolved sharding of every array of a variables tree, with what had to change.
+
+    Attributes:
+        mesh: The mesh the plan is for.
+        entries: One entry per array, in tree-flattening order.
+        treedef: The structure of the (unboxed) variables.
+        notes: Things worth knowing that concern no single array (an unused pattern).
+    """
+
+    mesh: Mesh
+    entries: tuple[PlanEntry, ...]
+    treedef: Any
+    notes: tuple[str, ...] = ()
+
+    def __iter__(self) -> Iterator[PlanEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, path: str) -> PlanEntry:
+        for entry in self.entries:
+            if entry.path == path:
+                return entry
+        raise KeyError(f"no array at path {path!r}; the plan has {[e.path for e in self]}")
+
+    def specs(self) -> Any:
+        """The ``PartitionSpec`` of every array, as a tree shaped like the variables."""
+        return self.treedef.unflatten([e.spec for e in self.entries])
+
+    def shardings(self) -> Any:
+        """The ``NamedSharding`` of every array, as a tree shaped like the variables."""
+        return self.treedef.unflatten([NamedSharding(self.mesh, e.spec) for e in self.entries])
+
+    @property
+    def corrections(self) -> tuple[tuple[str, Correction], ...]:
+        """Every ``(path, correction)`` made to fit a spec to its array and the mesh."""
+        return tuple((e.path, c) for e in self.entries for c in e.resolution.corrections)
+
+    @property
+    def unannotated(self) -> tuple[str, ...]:
+        """Paths of arrays with no annotation (they are replicated)."""
+        return tuple(e.path for e in self.entries if e.annotation is None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arrays together."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def nbytes_per_device(self) -> int:
+        """Bytes one device holds."""
+        return sum(e.nbytes_per_device(self.mesh) for e in self.entries)
+
+    def describe(self) -> str:
+        """A table of every array: path, shape, logical axes, spec, and what was changed."""
+        rows = [("path", "shape", "logical axes", "spec", "notes")]
+        for e in self.entries:
+            given = "-"
+            if e.annotation is not None:
+                given = str(e.annotation.logical_axes or e.annotation.mesh_axes)
+            notes = [f"dim {c.dim}: {c.detail}" for c in e.resolution.corrections]
+            notes += [f"no rule for {n!r}" for n in e.resolution.unknown_names]
+            rows.append((e.path, str(e.shape), given, str(e.spec), "; ".join(notes)))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) for row in rows]
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        footer = (
+            f"{len(self.entries)} arrays on mesh ({mesh}): {_size(self.nbytes)} in all, "
+            f"{_size(self.nbytes_per_device)} per device; {len(self.corrections)} corrections, "
+            f"{len(self.unannotated)} unannotated"
+        )
+        return "\n".join([*(line.rstrip() for line in lines), footer, *self.notes])
+
+
+def _size(nbytes: int) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = min(int(math.log(max(nbytes, 1), 1024)), len(units) - 1)
+    digits = 0 if power == 0 else 2
+    return f"{nbytes / 1024**power:.{digits}f} {units[power]}"
+
+
+def build_plan(
+    treedef: Any,
+    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
+    mesh: Mesh,
+    *,
+    rules: RulesLike = None,
+    strict: bool = False,
+    notes: Sequence[str] = (),
+) -> ShardingPlan:
+    """Resolves every array's annotation with the one resolver, shape-aware on ``mesh``.
+
+    Args:
+        treedef: The structure of the variables the items flatten.
+        items: ``(path, abstract array, annotation)`` per leaf, in flattening order.
+        mesh: The mesh.
+        rules: Rules for logical annotations that carry none themselves.
+        strict: Raise at the first correction, unknown logical name or note, instead of warning.
+        notes: Problems that concern no single array (strict mode raises on them too).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ShardingResolutionError: In strict mode, if a spec had to be corrected or a logical
+            name has no rule.
+        EscaleError: In strict mode, if there are notes.
+    """
+    entries = []
+    for path, leaf, annotation in items:
+        shape = tuple(leaf.shape)
+        if annotation is None:
+            resolution = resolve_logical_axes(None, shape=shape, mesh=mesh)
+        elif annotation.mesh_axes is not None:
+            resolution = resolve_mesh_axes(
+                annotation.mesh_axes, shape=shape, mesh=mesh, strict=strict, path=path
+            )
+        else:
+            resolution = resolve_logical_axes(
+                annotation.logical_axes,
+                rules if annotation.rules is None else annotation.rules,
+                shape=shape,
+                mesh=mesh,
+                strict=strict,
+                path=path,
+            )
+        entries.append(PlanEntry(path, shape, np.dtype(leaf.dtype), annotation, resolution))
+    if strict and notes:
+        raise EscaleError("\n".join(notes) + "\n(strict=True; pass strict=False to go on.)")
+    problems = [e.resolution.describe(e.path) for e in entries if not e.resolution.ok]
+    if problems or notes:
+        warnings.warn(
+            "\n".join([*problems, *notes]) + "\n(Pass strict=True to make these errors.)",
+            ShardingCorrectionWarning,
+            stacklevel=3,
+        )
+    return ShardingPlan(mesh, tuple(entries), treedef, tuple(notes))
