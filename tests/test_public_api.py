@@ -61,6 +61,7 @@ EXPECTED = {
         "ShardedMixin",
         "init_sharded",
         "init_train_state",
+        "lower_init",
         "plan_sharding",
         "sharded_module",
     ],

@@ -13,6 +13,13 @@ Example:
 """
 
 from flax_escale.linen.annotate import ShardedMixin, sharded_module
-from flax_escale.linen.init import init_sharded, init_train_state, plan_sharding
+from flax_escale.linen.init import init_sharded, init_train_state, lower_init, plan_sharding
 
-__all__ = ["ShardedMixin", "init_sharded", "init_train_state", "plan_sharding", "sharded_module"]
+__all__ = [
+    "ShardedMixin",
+    "init_sharded",
+    "init_train_state",
+    "lower_init",
+    "plan_sharding",
+    "sharded_module",
+]

@@ -94,18 +94,22 @@ class Annotator:
         for patterns in self.owners.values():
             seen.setdefault(patterns.owner, patterns)
         return [
-            f"{owner}: pattern {pattern!r} matched no parameter; its parameters are "
-            f"{self._params_of(owner)}. Fix the pattern or remove it."
+            f"{owner}: pattern {pattern!r} matched no parameter (its annotated parameters: "
+            f"{self._params_of(owner)}). Fix the pattern or remove it."
             for owner, patterns in seen.items()
             for pattern in patterns.patterns
             if (owner, pattern) not in self.matched
         ]
 
-    def _params_of(self, owner: str) -> list[str]:
+    def _params_of(self, owner: str) -> str:
         roots = ["/".join(p) for p, pats in self.owners.items() if pats.owner == owner]
-        return sorted(
+        found = sorted(
             path for path in self.sources if any(path.startswith(f"params/{r}") for r in roots)
-        ) or ["(none annotated)"]
+        )
+        if not found:
+            return "none annotated"
+        shown = ", ".join(found[:4])
+        return shown + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
 
 
 @contextlib.contextmanager

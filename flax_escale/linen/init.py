@@ -19,7 +19,7 @@ from flax_escale.sharding.context import use_sharding
 from flax_escale.sharding.optimizer import init_opt_state
 from flax_escale.sharding.plan import Annotation, ShardingPlan, build_plan
 
-__all__ = ["init_sharded", "init_train_state", "plan_sharding"]
+__all__ = ["init_sharded", "init_train_state", "lower_init", "plan_sharding"]
 
 
 def plan_sharding(
@@ -108,12 +108,41 @@ def init_sharded(
         >>> variables["params"]["kernel"].sharding.spec
         P(('fsdp', 'sp'), 'tp')
     """
+    lowered = lower_init(
+        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+    )
+    return lowered.compile()(rng, *inputs)
+
+
+def lower_init(
+    model: nn.Module,
+    mesh: Mesh,
+    rng: Any,
+    *inputs: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    method: Callable[..., Any] | str | None = None,
+    **init_kwargs: Any,
+) -> jax.stages.Lowered:
+    """The sharded initializer :func:`init_sharded` runs, lowered but not compiled or run.
+
+    For inspecting the program: ``lower_init(...).compile().memory_analysis()`` gives the bytes
+    each device needs, ``.as_text()`` the shardings. Arguments are :func:`init_sharded`'s.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> model = nn.Dense(64, use_bias=False, kernel_init=nn.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+        >>> compiled = lower_init(model, mesh, jax.random.key(0), jnp.ones((2, 64))).compile()
+        >>> compiled.memory_analysis().output_size_in_bytes  # 64 * 64 * 4 bytes / 8 devices
+        2048
+    """
     plan = plan_sharding(
         model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
     )
     init = _initializer(model, method, init_kwargs, unbox=True)
     with use_sharding(mesh, rules):
-        return jax.jit(init, out_shardings=plan.shardings())(rng, *inputs)
+        return jax.jit(init, out_shardings=plan.shardings()).lower(rng, *inputs)
 
 
 def init_train_state(
@@ -190,9 +219,20 @@ def _initializer(
 ) -> Callable[..., Any]:
     def init(rng: Any, *inputs: Any) -> Any:
         variables = model.init(rng, *inputs, method=method, **init_kwargs)
-        return meta.unbox(variables) if unbox else variables
+        return _unbox(variables) if unbox else variables
 
     return init
+
+
+def _unbox(tree: Any) -> Any:
+    # Not meta.unbox: Flax's Partitioned.unbox also adds a constraint resolved by Flax's own rule
+    # lookup, which fails on rules naming axes the mesh lacks; the plan already has the specs.
+    def unbox(leaf: Any) -> Any:
+        if isinstance(leaf, nn.Partitioned):
+            return leaf.unbox(apply_constraint=False)
+        return leaf.unbox() if isinstance(leaf, meta.AxisMetadata) else leaf
+
+    return jax.tree.map(unbox, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
 def _plan_items(
@@ -214,7 +254,7 @@ def _plan_items(
             annotation = Annotation(mesh_axes=tuple(leaf.names), source="nn.with_partitioning")
         else:
             annotation = _param_with_axes(params_axes, keys)
-        items.append((path, meta.unbox(leaf), annotation))
+        items.append((path, _unbox(leaf), annotation))
     return treedef, items
 
 

@@ -146,9 +146,16 @@ class ShardingPlan:
                 given = str(e.annotation.logical_axes or e.annotation.mesh_axes)
             notes = [f"dim {c.dim}: {c.detail}" for c in e.resolution.corrections]
             notes += [f"no rule for {n!r}" for n in e.resolution.unknown_names]
+            notes += [
+                f"dim {p.dim}: {p.mesh_axes} passed over ({p.size} not divisible)"
+                for p in e.resolution.passed_over
+            ]
             rows.append((e.path, str(e.shape), given, str(e.spec), "; ".join(notes)))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) for row in rows]
+        lines = [
+            "  ".join([*(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)), row[4]])
+            for row in rows
+        ]
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         footer = (
             f"{len(self.entries)} arrays on mesh ({mesh}): {_size(self.nbytes)} in all, "
