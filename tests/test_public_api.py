@@ -65,7 +65,15 @@ EXPECTED = {
         "plan_sharding",
         "sharded_module",
     ],
-    "flax_escale.nnx": [],
+    "flax_escale.nnx": [
+        "LOGICAL_AXES",
+        "ShardedMixin",
+        "init_optimizer",
+        "init_sharded",
+        "plan_sharding",
+        "sharded_module",
+        "stacked",
+    ],
 }
 
 

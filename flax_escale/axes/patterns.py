@@ -93,3 +93,22 @@ class AxesPatterns:
             if regex.fullmatch(path):
                 return pattern, names
         return None
+
+    def match_array(
+        self, path: str, shape: Sequence[int], *, shown_path: str, stack_hint: str
+    ) -> tuple[str, tuple[str | None, ...]] | None:
+        """:meth:`match`, checking that the logical axes name every dimension of ``shape``.
+
+        Raises:
+            EscaleError: If the matching pattern's logical axes have another rank; the message
+                names ``shown_path``, the shape and the pattern, and ends with ``stack_hint``.
+        """
+        found = self.match(path)
+        if found is not None and len(found[1]) != len(shape):
+            pattern, names = found
+            raise EscaleError(
+                f"{self.owner}: parameter {shown_path!r} of shape {tuple(shape)} matches "
+                f"pattern {pattern!r}, whose logical axes {names} name {len(names)} dimensions "
+                f"instead of {len(shape)}. Give one logical name per dimension ({stack_hint})."
+            )
+        return found

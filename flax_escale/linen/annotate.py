@@ -20,7 +20,7 @@ import flax.linen as nn
 from flax.core import meta
 
 from flax_escale.axes.patterns import AxesPatterns
-from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.errors import EscaleTypeError
 
 __all__ = ["ShardedMixin", "annotating", "sharded_module"]
 
@@ -29,6 +29,10 @@ M = TypeVar("M", bound=type[nn.Module])
 _PATTERNS = "__escale_patterns__"
 _WRAPPED = "__escale_wrapped__"
 _state = threading.local()
+_STACK_HINT = (
+    "inside nn.scan, name the per-layer dimensions: the stacked one is added by "
+    "metadata_params={nn.PARTITION_NAME: 'layers'}"
+)
 
 
 class Annotator:
@@ -64,26 +68,24 @@ class Annotator:
             if isinstance(value, (Mapping, meta.AxisMetadata)) or f"{name}_axes" in axes_metadata:
                 continue
             full = (*path, name)
-            found = self._lookup(full)
+            found = self._lookup(full, value.shape)
             if found is None:
                 continue
             owner, pattern, names = found
-            if len(names) != value.ndim:
-                raise EscaleError(
-                    f"{owner}: parameter {'/'.join(full)!r} of shape {tuple(value.shape)} matches "
-                    f"pattern {pattern!r}, whose logical axes {names} name {len(names)} "
-                    f"dimensions instead of {value.ndim}. Give one logical name per dimension "
-                    "(inside nn.scan, name the per-layer dimensions: the stacked one is added by "
-                    "metadata_params={nn.PARTITION_NAME: 'layers'})."
-                )
             module.put_variable("params", name, nn.LogicallyPartitioned(value, names))
             self.sources["params/" + "/".join(full)] = f"{owner}[{pattern!r}]"
             self.matched.add((owner, pattern))
 
-    def _lookup(self, full: tuple[str, ...]) -> tuple[str, str, tuple[str | None, ...]] | None:
+    def _lookup(
+        self, full: tuple[str, ...], shape: tuple[int, ...]
+    ) -> tuple[str, str, tuple[str | None, ...]] | None:
         for depth in range(len(full) - 1, -1, -1):
             patterns = self.owners.get(full[:depth])
-            found = None if patterns is None else patterns.match("/".join(full[depth:]))
+            if patterns is None:
+                continue
+            found = patterns.match_array(
+                "/".join(full[depth:]), shape, shown_path="/".join(full), stack_hint=_STACK_HINT
+            )
             if found is not None:
                 return patterns.owner, *found
         return None

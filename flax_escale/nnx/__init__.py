@@ -1,7 +1,24 @@
-"""The Flax NNX front end of flax_escale.
+"""The Flax NNX front end: declare logical axes on modules, build them sharded.
 
-NNX-specific tools (``sharded_module``, ``init_sharded``) are added here by the NNX front-end
-work; the mesh and logical-axis tools they build on are in :mod:`flax_escale`.
+Example:
+    >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    ... class Up(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+    >>> mesh = create_mesh((1, 4, 1, 2, 1))
+    >>> init_sharded(Up, mesh, 0).wi.kernel.get_value().sharding.spec
+    P(('fsdp', 'sp'), 'tp')
 """
 
-__all__: list[str] = []
+from flax_escale.nnx.annotate import LOGICAL_AXES, ShardedMixin, sharded_module, stacked
+from flax_escale.nnx.init import init_optimizer, init_sharded, plan_sharding
+
+__all__ = [
+    "LOGICAL_AXES",
+    "ShardedMixin",
+    "init_optimizer",
+    "init_sharded",
+    "plan_sharding",
+    "sharded_module",
+    "stacked",
+]

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flax_escale.errors import EscaleError
 from flax_escale.resolve.fit import mesh_axes_of
 
-__all__ = ["init_opt_state", "opt_state_shardings"]
+__all__ = ["add_data_axes", "init_opt_state", "opt_state_shardings"]
 
 
 def opt_state_shardings(
@@ -63,7 +63,7 @@ def opt_state_shardings(
     def follow(leaf: Any, param: Any, sharding: NamedSharding) -> NamedSharding:
         if tuple(leaf.shape) != tuple(param.shape):
             return replicated
-        spec = _add_axes(sharding.spec, param.shape, shard_over, mesh.shape)
+        spec = add_data_axes(sharding.spec, param.shape, shard_over, mesh.shape)
         return NamedSharding(mesh, spec)
 
     abstract = jax.eval_shape(tx.init, params)
@@ -101,9 +101,20 @@ def _named_sharding(param: Any) -> NamedSharding:
     return sharding
 
 
-def _add_axes(
+def add_data_axes(
     spec: PartitionSpec, shape: Sequence[int], axes: Sequence[str], mesh_shape: Any
 ) -> PartitionSpec:
+    """``spec`` also split over the data ``axes``, for ZeRO-1 optimizer state.
+
+    The axes ``spec`` does not use yet (of size > 1) join the first dimension whose size they
+    divide together with that dimension's own axes; if none does, ``spec`` is returned.
+
+    Example:
+        >>> add_data_axes(PartitionSpec("fsdp"), (8, 6), ("dp",), {"fsdp": 4, "dp": 2})
+        P(('fsdp', 'dp'), None)
+        >>> add_data_axes(PartitionSpec("fsdp"), (4, 6), ("dp",), {"fsdp": 4, "dp": 2})
+        P('fsdp', 'dp')
+    """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for entry in entries for a in mesh_axes_of(entry)}
     extra = tuple(a for a in axes if a not in used and mesh_shape[a] > 1)

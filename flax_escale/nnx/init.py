@@ -1,0 +1,296 @@
+"""NNX models and optimizers created directly in their sharded layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_escale.errors import EscaleTypeError
+from flax_escale.nnx.annotate import LOGICAL_AXES, collecting_unused
+from flax_escale.resolve.logical import RulesLike, as_logical_rules
+from flax_escale.sharding.context import use_sharding
+from flax_escale.sharding.optimizer import add_data_axes
+from flax_escale.sharding.plan import Annotation, PlanEntry, ShardingPlan, build_plan
+
+__all__ = ["init_optimizer", "init_sharded", "plan_sharding"]
+
+
+def plan_sharding(
+    model: Callable[..., nnx.Module],
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    **kwargs: Any,
+) -> ShardingPlan:
+    """The sharding of every variable ``model(*args, rngs=..., **kwargs)`` would build.
+
+    The constructor is only traced (``nnx.eval_shape``), with Flax's eager sharding off. A
+    variable's ``logical_axes`` (from ``sharded_module``) or Flax ``out_sharding`` metadata is
+    resolved by the one resolver, shape-aware; ``out_sharding`` names that no rule mentions but
+    that are mesh axes stand for themselves, as in Flax. Other variables are replicated.
+
+    Args:
+        model: A module class, or any callable taking ``rngs=`` and returning a module.
+        mesh: The mesh.
+        rng: An ``int`` seed, a key, or a dict of them by stream name, for ``nnx.Rngs``.
+        *args: Constructor arguments.
+        rules: The logical-axis rules (a ``PartitionAxis`` is translated); defaults to those set
+            with ``nn.logical_axis_rules``, then to ``PartitionAxis()``'s.
+        strict: Raise on any correction, logical name without a rule, or unused pattern.
+        **kwargs: Constructor keyword arguments.
+
+    Returns:
+        The :class:`~flax_escale.ShardingPlan`.
+    """
+    _, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
+    return plan
+
+
+def init_sharded(
+    model: Callable[..., nnx.Module],
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    **kwargs: Any,
+) -> nnx.Module:
+    """Builds ``model(*args, rngs=nnx.Rngs(rng), **kwargs)`` with every variable born sharded.
+
+    One ``jax.jit`` of the constructor with ``out_shardings`` from :func:`plan_sharding`: no
+    device ever holds a whole variable its spec splits, and the values are those of the same
+    constructor run under ``jax.jit`` on one device. Each variable's ``out_sharding`` metadata
+    is set to its resolved mesh spec (its logical names stay in ``logical_axes``; an unsharded
+    dimension keeps its logical name there, sent to ``None`` by the variable's
+    ``sharding_rules``, so ``nnx.scan`` finds its ``layers`` axis), and NNX's own
+    ``nnx.get_partition_spec``, later ``nnx.jit`` / ``jax.jit`` steps and eagerly sharded
+    copies (optimizer state) all see the resolved sharding.
+
+    Args:
+        model: A module class, or any callable taking ``rngs=`` and returning a module.
+        mesh: The mesh.
+        rng: An ``int`` seed, a key, or a dict of them by stream name, for ``nnx.Rngs``.
+        *args: Constructor arguments.
+        rules: The logical-axis rules; see :func:`plan_sharding`.
+        strict: Raise instead of correcting; see :func:`plan_sharding`.
+        **kwargs: Constructor keyword arguments.
+
+    Returns:
+        The module, sharded.
+
+    Example:
+        >>> mesh = create_mesh((1, 4, 1, 2, 1))
+        >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+        ... class Up(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+        >>> up = init_sharded(Up, mesh, 0)
+        >>> up.wi.kernel.get_value().sharding.spec, up.wi.kernel.get_metadata("out_sharding")
+        (P(('fsdp', 'sp'), 'tp'), (('fsdp', 'sp'), 'tp'))
+        >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
+        P(('fsdp', 'sp'), 'tp')
+    """
+    abstract, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
+    graphdef, _ = nnx.split(abstract)
+    create = _constructor(model, args, kwargs)
+    with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
+        init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
+        state = init(_as_keys(rng))
+    module = nnx.merge(graphdef, state)
+    for entry, (_, variable) in zip(plan, _variables(module), strict=True):
+        variable.set_metadata(**_sharding_metadata(entry))
+    return module
+
+
+def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
+    # The resolved mesh axes, except that an unsharded dimension keeps its logical name, mapped
+    # to None by the variable's own sharding_rules: NNX's scan/vmap find their stacked axis name
+    # ("layers") in out_sharding, and NNX's own lookup then still gives the resolved spec.
+    names = entry.annotation.logical_axes if entry.annotation is not None else None
+    names = names or (None,) * len(entry.shape)
+    spec = _pad(entry.spec, len(entry.shape))
+    out_sharding = tuple(
+        name if axes is None and isinstance(name, str) else axes
+        for axes, name in zip(spec, names, strict=True)
+    )
+    unsharded = tuple((n, None) for n, axes in zip(names, spec, strict=True) if axes is None and n)
+    return {"out_sharding": out_sharding, "sharding_rules": unsharded}
+
+
+def init_optimizer(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    *,
+    wrt: Any = nnx.Param,
+    shard_over: Sequence[str] = (),
+) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``, its state created directly in its sharding.
+
+    A state leaf shaped like the variable it tracks takes that variable's sharding (also split
+    over ``shard_over``, ZeRO-1 style, when given); other leaves (the step, counts) are
+    replicated. One ``jax.jit`` with ``out_shardings``: nothing is materialized whole.
+
+    Args:
+        model: A module whose tracked variables are sharded (from :func:`init_sharded`).
+        tx: The optax transformation.
+        wrt: Which variables the optimizer updates, as ``nnx.Optimizer`` takes it.
+        shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        EscaleTypeError: If ``model`` is not an NNX module or its variables are not sharded on
+            one mesh.
+
+    Example:
+        >>> mesh = create_mesh((2, 4, 1, 1, 1))
+        >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+        ... class Up(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+        >>> opt = init_optimizer(init_sharded(Up, mesh, 0), optax.adam(1e-3), shard_over=("dp",))
+        >>> opt.opt_state[0].mu["wi"]["kernel"].get_value().sharding.spec
+        P(('fsdp', 'sp', 'dp'), 'tp')
+    """
+    if not isinstance(model, nnx.Module):
+        raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
+    graphdef, state = nnx.split(model)
+    by_path = {}
+    for path, variable in _variables(model):
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            raise EscaleTypeError(
+                f"variable {path!r} is not sharded with a NamedSharding ({sharding!r}); build "
+                "the model with flax_escale.nnx.init_sharded first."
+            )
+        by_path[tuple(path.split("/"))] = (variable.get_value().shape, sharding)
+    meshes = {sharding.mesh for _, sharding in by_path.values()}
+    if len(meshes) != 1:
+        raise EscaleTypeError(f"the variables are sharded on {len(meshes)} meshes, not one.")
+    mesh = meshes.pop()
+
+    def make(state: Any) -> nnx.Optimizer:
+        return nnx.Optimizer(nnx.merge(graphdef, state), tx, wrt=wrt)
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(make, state)
+        opt_graphdef, abstract_state = nnx.split(abstract)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_variable)
+        shardings = [
+            _follow(_keys(key_path), leaf, by_path, mesh, shard_over) for key_path, leaf in flat
+        ]
+        opt_state = jax.jit(
+            lambda s: nnx.state(make(s)), out_shardings=treedef.unflatten(shardings)
+        )(state)
+    return nnx.merge(opt_graphdef, opt_state)
+
+
+def _follow(
+    keys: tuple[str, ...],
+    leaf: Any,
+    by_path: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]],
+    mesh: Mesh,
+    shard_over: Sequence[str],
+) -> NamedSharding:
+    # An optimizer state leaf for a variable ends with that variable's path (mu/wi/kernel).
+    for start in range(len(keys)):
+        found = by_path.get(keys[start:])
+        if found is not None and tuple(found[0]) == tuple(leaf.shape):
+            shape, sharding = found
+            return NamedSharding(mesh, add_data_axes(sharding.spec, shape, shard_over, mesh.shape))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _constructor(model: Any, args: tuple, kwargs: dict) -> Callable[[Any], nnx.Module]:
+    if not callable(model) or isinstance(model, nnx.Module):
+        raise EscaleTypeError(
+            f"model must be an NNX module class or a callable taking rngs=, got {model!r}; "
+            "for a Linen module use flax_escale.linen.init_sharded."
+        )
+
+    def create(rng: Any) -> nnx.Module:
+        rngs = nnx.Rngs(**rng) if isinstance(rng, dict) else nnx.Rngs(rng)
+        module = model(*args, rngs=rngs, **kwargs)
+        if not isinstance(module, nnx.Module):
+            raise EscaleTypeError(
+                f"model(...) returned {type(module).__name__}, not an NNX module."
+            )
+        return module
+
+    return create
+
+
+def _as_keys(rng: Any) -> Any:
+    # Seeds become keys before tracing: nnx.Rngs cannot take a traced integer.
+    if isinstance(rng, dict):
+        return {name: _as_keys(seed) for name, seed in rng.items()}
+    return jax.random.key(rng) if isinstance(rng, int) else rng
+
+
+def _abstract_and_plan(
+    model: Any,
+    mesh: Mesh,
+    rng: Any,
+    args: tuple,
+    kwargs: dict,
+    rules: RulesLike,
+    strict: bool,
+) -> tuple[nnx.Module, ShardingPlan]:
+    create = _constructor(model, args, kwargs)
+    rng = _as_keys(rng)
+    with (
+        use_sharding(mesh, rules) as frozen,
+        nnx.use_eager_sharding(False),
+        collecting_unused() as notes,
+    ):
+        abstract = nnx.eval_shape(create, rng)
+    # Flax's own out_sharding names may be mesh axes: they stand for themselves (after the rules).
+    own = frozen + tuple((axis, axis) for axis in mesh.axis_names)
+    _, state = nnx.split(abstract)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+    items = []
+    for key_path, variable in flat:
+        path = "/".join(_keys(key_path))
+        items.append((path, variable.get_value(), _annotation(variable, own)))
+    plan = build_plan(treedef, items, mesh, rules=frozen, strict=strict, notes=notes)
+    return abstract, plan
+
+
+def _annotation(variable: nnx.Variable, own_rules: Any) -> Annotation | None:
+    metadata = variable.get_metadata()
+    names = metadata.get(LOGICAL_AXES)
+    if names is not None:
+        return Annotation(tuple(names), source="sharded_module")
+    names = metadata.get("out_sharding")
+    if not names:
+        return None
+    local = metadata.get("sharding_rules")
+    rules = own_rules if not local else as_logical_rules(local) + own_rules
+    return Annotation(tuple(names), source="nnx out_sharding", rules=rules)
+
+
+def _variables(module: nnx.Module) -> list[tuple[str, nnx.Variable]]:
+    _, state = nnx.split(module)
+    flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+    live = {tuple(str(k) for k in path): v for path, v in nnx.iter_graph(module)}
+    return [("/".join(_keys(p)), live[tuple(_keys(p))]) for p, _ in flat]
+
+
+def _keys(key_path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _pad(spec: PartitionSpec, rank: int) -> list[Any]:
+    return [*spec, *([None] * (rank - len(spec)))]
