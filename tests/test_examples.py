@@ -32,3 +32,15 @@ def test_linen_gpt_prints_its_plan_and_its_loss_falls(capsys, tie):
     assert "0 corrections, 0 unannotated" in out
     assert len(losses) == 10
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
+    example = load("nnx_llama")
+    losses = example.main(["--steps", "10", "--zero1"])
+    out = capsys.readouterr().out
+    assert "blocks/attention/k_proj/kernel" in out
+    assert "('layers', 'hidden_state', 'kv_head', 'attention_dim')" in out
+    assert "P(None, ('fsdp', 'sp'), 'tp', None)" in out
+    assert "0 corrections, 0 unannotated" in out
+    assert len(losses) == 10
+    assert losses[-1] < 0.8 * losses[0]

@@ -70,6 +70,7 @@ EXPECTED = {
         "ShardedMixin",
         "init_optimizer",
         "init_sharded",
+        "lower_init",
         "plan_sharding",
         "sharded_module",
         "stacked",

@@ -11,13 +11,14 @@ Example:
 """
 
 from flax_escale.nnx.annotate import LOGICAL_AXES, ShardedMixin, sharded_module, stacked
-from flax_escale.nnx.init import init_optimizer, init_sharded, plan_sharding
+from flax_escale.nnx.init import init_optimizer, init_sharded, lower_init, plan_sharding
 
 __all__ = [
     "LOGICAL_AXES",
     "ShardedMixin",
     "init_optimizer",
     "init_sharded",
+    "lower_init",
     "plan_sharding",
     "sharded_module",
     "stacked",

@@ -17,7 +17,7 @@ from flax_escale.sharding.context import use_sharding
 from flax_escale.sharding.optimizer import add_data_axes
 from flax_escale.sharding.plan import Annotation, PlanEntry, ShardingPlan, build_plan
 
-__all__ = ["init_optimizer", "init_sharded", "plan_sharding"]
+__all__ = ["init_optimizer", "init_sharded", "lower_init", "plan_sharding"]
 
 
 def plan_sharding(
@@ -97,16 +97,57 @@ def init_sharded(
         >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
         P(('fsdp', 'sp'), 'tp')
     """
-    abstract, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
-    graphdef, _ = nnx.split(abstract)
-    create = _constructor(model, args, kwargs)
+    graphdef, plan, init = _sharded_constructor(model, mesh, rng, args, kwargs, rules, strict)
     with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
-        init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
         state = init(_as_keys(rng))
     module = nnx.merge(graphdef, state)
     for entry, (_, variable) in zip(plan, _variables(module), strict=True):
         variable.set_metadata(**_sharding_metadata(entry))
     return module
+
+
+def lower_init(
+    model: Callable[..., nnx.Module],
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    **kwargs: Any,
+) -> jax.stages.Lowered:
+    """The sharded constructor :func:`init_sharded` runs, lowered but not compiled or run.
+
+    ``lower_init(...).compile().memory_analysis()`` gives the bytes each device needs.
+    Arguments are :func:`init_sharded`'s.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+        ... class Up(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.wi = nnx.Linear(64, 64, use_bias=False, rngs=rngs)
+        >>> lower_init(Up, mesh, 0).compile().memory_analysis().output_size_in_bytes
+        2048
+    """
+    _, _, init = _sharded_constructor(model, mesh, rng, args, kwargs, rules, strict)
+    with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
+        return init.lower(_as_keys(rng))
+
+
+def _sharded_constructor(
+    model: Any,
+    mesh: Mesh,
+    rng: Any,
+    args: tuple,
+    kwargs: dict,
+    rules: RulesLike,
+    strict: bool,
+) -> tuple[Any, ShardingPlan, Any]:
+    abstract, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
+    graphdef, _ = nnx.split(abstract)
+    create = _constructor(model, args, kwargs)
+    init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
+    return graphdef, plan, init
 
 
 def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
@@ -246,11 +287,10 @@ def _abstract_and_plan(
 ) -> tuple[nnx.Module, ShardingPlan]:
     create = _constructor(model, args, kwargs)
     rng = _as_keys(rng)
-    with (
-        use_sharding(mesh, rules) as frozen,
-        nnx.use_eager_sharding(False),
-        collecting_unused() as notes,
-    ):
+    frozen = as_logical_rules(rules)
+    # No mesh while tracing: with one, nnx.eval_shape resolves Flax out_sharding names with
+    # NNX's own lookup, which the library's rules (fallbacks repeat a name) make fail.
+    with nnx.use_eager_sharding(False), collecting_unused() as notes:
         abstract = nnx.eval_shape(create, rng)
     # Flax's own out_sharding names may be mesh axes: they stand for themselves (after the rules).
     own = frozen + tuple((axis, axis) for axis in mesh.axis_names)
