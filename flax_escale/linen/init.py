@@ -8,7 +8,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import optax
-from flax.core import meta
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh
 
@@ -17,6 +16,8 @@ from flax_escale.linen.annotate import annotating
 from flax_escale.resolve.logical import RulesLike, as_logical_rules
 from flax_escale.sharding.context import use_sharding
 from flax_escale.sharding.optimizer import init_opt_state
+from flax_escale.sharding.paths import flatten_with_paths, is_box
+from flax_escale.sharding.paths import unbox as unbox_leaf
 from flax_escale.sharding.plan import Annotation, ShardingPlan, build_plan
 
 __all__ = ["init_sharded", "init_train_state", "lower_init", "plan_sharding"]
@@ -219,33 +220,18 @@ def _initializer(
 ) -> Callable[..., Any]:
     def init(rng: Any, *inputs: Any) -> Any:
         variables = model.init(rng, *inputs, method=method, **init_kwargs)
-        return _unbox(variables) if unbox else variables
+        return jax.tree.map(unbox_leaf, variables, is_leaf=is_box) if unbox else variables
 
     return init
-
-
-def _unbox(tree: Any) -> Any:
-    # Not meta.unbox: Flax's Partitioned.unbox also adds a constraint resolved by Flax's own rule
-    # lookup, which fails on rules naming axes the mesh lacks; the plan already has the specs.
-    def unbox(leaf: Any) -> Any:
-        if isinstance(leaf, nn.Partitioned):
-            return leaf.unbox(apply_constraint=False)
-        return leaf.unbox() if isinstance(leaf, meta.AxisMetadata) else leaf
-
-    return jax.tree.map(unbox, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
 def _plan_items(
     abstract: Any, sources: dict[str, str]
 ) -> tuple[Any, list[tuple[str, Any, Annotation | None]]]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        abstract, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
-    )
+    flat, treedef = flatten_with_paths(abstract)
     params_axes = abstract.get("params_axes", {})
     items = []
-    for key_path, leaf in flat:
-        keys = [str(getattr(k, "key", k)) for k in key_path]
-        path = "/".join(keys)
+    for path, value, leaf in flat:
         if isinstance(leaf, nn.LogicallyPartitioned):
             rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
             source = sources.get(path, "nn.with_logical_partitioning")
@@ -253,8 +239,8 @@ def _plan_items(
         elif isinstance(leaf, nn.Partitioned):
             annotation = Annotation(mesh_axes=tuple(leaf.names), source="nn.with_partitioning")
         else:
-            annotation = _param_with_axes(params_axes, keys)
-        items.append((path, _unbox(leaf), annotation))
+            annotation = _param_with_axes(params_axes, path.split("/"))
+        items.append((path, value, annotation))
     return treedef, items
 
 

@@ -15,6 +15,7 @@ from flax_escale.nnx.annotate import LOGICAL_AXES, collecting_unused
 from flax_escale.resolve.logical import RulesLike, as_logical_rules
 from flax_escale.sharding.context import use_sharding
 from flax_escale.sharding.optimizer import add_data_axes
+from flax_escale.sharding.paths import flatten_with_paths
 from flax_escale.sharding.plan import Annotation, PlanEntry, ShardingPlan, build_plan
 
 __all__ = ["init_optimizer", "init_sharded", "lower_init", "plan_sharding"]
@@ -224,9 +225,10 @@ def init_optimizer(
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(make, state)
         opt_graphdef, abstract_state = nnx.split(abstract)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_variable)
+        flat, treedef = flatten_with_paths(abstract_state)
         shardings = [
-            _follow(_keys(key_path), leaf, by_path, mesh, shard_over) for key_path, leaf in flat
+            _follow(tuple(path.split("/")), value, by_path, mesh, shard_over)
+            for path, value, _ in flat
         ]
         opt_state = jax.jit(
             lambda s: nnx.state(make(s)), out_shardings=treedef.unflatten(shardings)
@@ -295,11 +297,8 @@ def _abstract_and_plan(
     # Flax's own out_sharding names may be mesh axes: they stand for themselves (after the rules).
     own = frozen + tuple((axis, axis) for axis in mesh.axis_names)
     _, state = nnx.split(abstract)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
-    items = []
-    for key_path, variable in flat:
-        path = "/".join(_keys(key_path))
-        items.append((path, variable.get_value(), _annotation(variable, own)))
+    flat, treedef = flatten_with_paths(state)
+    items = [(path, value, _annotation(variable, own)) for path, value, variable in flat]
     plan = build_plan(treedef, items, mesh, rules=frozen, strict=strict, notes=notes)
     return abstract, plan
 
@@ -319,17 +318,8 @@ def _annotation(variable: nnx.Variable, own_rules: Any) -> Annotation | None:
 
 def _variables(module: nnx.Module) -> list[tuple[str, nnx.Variable]]:
     _, state = nnx.split(module)
-    flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
-    live = {tuple(str(k) for k in path): v for path, v in nnx.iter_graph(module)}
-    return [("/".join(_keys(p)), live[tuple(_keys(p))]) for p, _ in flat]
-
-
-def _keys(key_path: Any) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+    live = {"/".join(str(k) for k in path): v for path, v in nnx.iter_graph(module)}
+    return [(path, live[path]) for path, _, _ in flatten_with_paths(state)[0]]
 
 
 def _pad(spec: PartitionSpec, rank: int) -> list[Any]:
