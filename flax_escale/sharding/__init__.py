@@ -1,20 +1,50 @@
 """Layer 4: applying shardings to arrays and trees."""
 
+from flax_escale.sharding.auto import MeshPartitionHelper, auto_partition_spec
 from flax_escale.sharding.constraint import apply_spec, with_sharding_constraint
 from flax_escale.sharding.context import use_sharding
+from flax_escale.sharding.inspect import (
+    ShardingAnalysis,
+    analyze_sharding_strategy,
+    extract_sharding_structure,
+    extract_shardings,
+    get_names_from_partition_spec,
+    get_partition_spec,
+    get_shardings_with_structure,
+)
 from flax_escale.sharding.logical import constrain
 from flax_escale.sharding.optimizer import init_opt_state, opt_state_shardings
 from flax_escale.sharding.plan import Annotation, PlanEntry, ShardingPlan, build_plan
+from flax_escale.sharding.rules import (
+    PartitionRuleError,
+    create_pattern_based_partition_spec,
+    match_partition_rules,
+)
+from flax_escale.sharding.transfer import make_shard_and_gather_fns, reshard_tree
 
 __all__ = [
     "Annotation",
+    "MeshPartitionHelper",
+    "PartitionRuleError",
     "PlanEntry",
+    "ShardingAnalysis",
     "ShardingPlan",
+    "analyze_sharding_strategy",
     "apply_spec",
+    "auto_partition_spec",
     "build_plan",
     "constrain",
+    "create_pattern_based_partition_spec",
+    "extract_sharding_structure",
+    "extract_shardings",
+    "get_names_from_partition_spec",
+    "get_partition_spec",
+    "get_shardings_with_structure",
     "init_opt_state",
+    "make_shard_and_gather_fns",
+    "match_partition_rules",
     "opt_state_shardings",
+    "reshard_tree",
     "use_sharding",
     "with_sharding_constraint",
 ]
