@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, NoMeshError
 from flax_escale.mesh.context import get_incontext_mesh
+from flax_escale.resolve.fit import mesh_axes_of
 from flax_escale.sharding.paths import flatten_with_paths, is_box, unbox
 
 __all__ = [
@@ -161,8 +162,9 @@ def analyze_sharding_strategy(
 ) -> ShardingAnalysis:
     """Measures a layout: how many elements are split, and the bytes on every device.
 
-    Per-device bytes are exact: each device's slices come from
-    ``NamedSharding.devices_indices_map``, so replication and uneven splits count as they are.
+    Per-device bytes are exact: each device's block of every array is computed from its place
+    in the mesh, so replication counts fully and a spec that does not divide its dimension
+    (which XLA pads) shows as the imbalance it causes.
 
     Args:
         pytree: Arrays (or ``jax.ShapeDtypeStruct``).
@@ -190,7 +192,7 @@ def analyze_sharding_strategy(
     per_device = {device.id: 0 for device in mesh.devices.flat}
     stats: dict[str, dict[str, int]] = {}
     total = sharded = total_bytes = 0
-    for (_, value, _), spec in zip(flat, specs, strict=True):
+    for (path, value, _), spec in zip(flat, specs, strict=True):
         shape = tuple(getattr(value, "shape", ()))
         itemsize = np.dtype(getattr(value, "dtype", np.float32)).itemsize
         spec = PartitionSpec() if spec is None else spec
@@ -203,11 +205,8 @@ def analyze_sharding_strategy(
         entry["arrays"] += 1
         entry["parameters"] += elements
         entry["bytes"] += elements * itemsize
-        indices = NamedSharding(mesh, spec).devices_indices_map(shape)
-        for device, index in indices.items():
-            per_device[device.id] += itemsize * math.prod(
-                len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)
-            )
+        for device_id, elements_here in _elements_per_device(path, shape, spec, mesh):
+            per_device[device_id] += elements_here * itemsize
     largest, smallest = max(per_device.values()), min(per_device.values())
     return ShardingAnalysis(
         total_parameters=total,
@@ -220,3 +219,29 @@ def analyze_sharding_strategy(
         ideal_device_bytes=total_bytes / mesh.size,
         partition_stats=stats,
     )
+
+
+def _elements_per_device(
+    path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+) -> Iterable[tuple[int, int]]:
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if len(entries) > len(shape):
+        raise EscaleError(f"{path!r}: spec {spec} has more entries than shape {shape}.")
+    names = list(mesh.axis_names)
+    for entry in entries:
+        for axis in mesh_axes_of(entry):
+            if axis not in names:
+                raise EscaleError(
+                    f"{path!r}: spec {spec} names axis {axis!r}, not in mesh {dict(mesh.shape)}."
+                )
+    for coords in np.ndindex(*mesh.devices.shape):
+        elements = 1
+        for size, entry in zip(shape, entries, strict=True):
+            axes = mesh_axes_of(entry)
+            parts = math.prod(mesh.shape[a] for a in axes)
+            index = 0
+            for axis in axes:
+                index = index * mesh.shape[axis] + coords[names.index(axis)]
+            block = -(-size // parts)
+            elements *= min(max(size - index * block, 0), block)
+        yield int(mesh.devices[coords].id), elements

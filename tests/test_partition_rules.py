@@ -1,0 +1,124 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_escale as fe
+
+RULES = [
+    ("embedding", P("tp", "fsdp")),
+    ("kernel$", P("fsdp", "tp")),
+    ("bias$", P("tp", "fsdp")),
+    (".*", P()),
+]
+
+
+def test_first_matching_rule_wins_and_special_cases():
+    tree = {
+        "embed": {"embedding": np.zeros((64, 8))},
+        "wi": {"kernel": np.zeros((8, 32)), "bias": np.zeros(32)},
+        "scalar": np.float32(3.0),
+        "step": 7,
+        "name": "not an array",
+        "layers": [np.zeros((4, 4)), np.zeros((4, 4, 4))],
+    }
+    specs = fe.match_partition_rules(RULES, tree)
+    assert specs["embed"]["embedding"] == P("tp", "fsdp")
+    assert specs["wi"]["kernel"] == P("fsdp", "tp")
+    assert specs["wi"]["bias"] == P("tp")  # trimmed to the rank
+    assert specs["scalar"] == P()
+    assert specs["step"] == P()
+    assert specs["name"] == P()
+    assert specs["layers"] == [P(), P()]
+
+
+def test_rules_see_slash_joined_paths_with_indices():
+    tree = {"blocks": [{"w": np.zeros((4, 4))}, {"w": np.zeros((4, 4))}]}
+    specs = fe.match_partition_rules([("blocks/1/w", P("tp")), ("w$", P("fsdp"))], tree)
+    assert specs == {"blocks": [{"w": P("fsdp")}, {"w": P("tp")}]}
+
+
+def test_min_size_leaves_small_arrays_unsharded():
+    tree = {"big": np.zeros((32, 32)), "small": np.zeros((4, 4))}
+    specs = fe.match_partition_rules([(".*", P("fsdp"))], tree, min_size=100)
+    assert specs == {"big": P("fsdp"), "small": P()}
+
+
+def test_unmatched_array_raises_naming_the_path_or_warns_when_not_strict():
+    tree = {"wi": {"kernel": np.zeros((8, 4))}, "norm": {"scale": np.zeros(8)}}
+    rules = [("kernel$", P("fsdp"))]
+    with pytest.raises(fe.PartitionRuleError, match=r"'norm/scale' \(8,\)"):
+        fe.match_partition_rules(rules, tree)
+    with pytest.warns(fe.ShardingCorrectionWarning, match="norm/scale"):
+        specs = fe.match_partition_rules(rules, tree, strict=False)
+    assert specs["norm"]["scale"] == P()
+    assert isinstance(fe.PartitionRuleError("x"), ValueError)
+
+
+def test_bad_rules_raise():
+    with pytest.raises(fe.PartitionRuleError, match="not a valid regex"):
+        fe.match_partition_rules([("kernel(", P())], {"a": np.zeros(4)})
+    with pytest.raises(fe.PartitionRuleError, match="not a PartitionSpec"):
+        fe.match_partition_rules([("a", "fsdp")], {"a": np.zeros(4)})
+
+
+def test_flax_boxes_nnx_state_and_shape_structs_match_like_plain_arrays():
+    boxed = {
+        "params": {
+            "wi": {"kernel": nn.LogicallyPartitioned(jnp.zeros((8, 4)), ("embed", "mlp"))},
+            "b": nn.Partitioned(jnp.zeros(4), ("tp",)),
+        }
+    }
+    specs = fe.match_partition_rules([("kernel$", P("fsdp", "tp")), (".*", P())], boxed)
+    assert specs == {"params": {"wi": {"kernel": P("fsdp", "tp")}, "b": P()}}
+
+    class Module(nnx.Module):
+        def __init__(self, rngs):
+            self.wi = nnx.Linear(8, 4, rngs=rngs)
+
+    state = nnx.state(Module(nnx.Rngs(0)))
+    nnx_specs = fe.match_partition_rules([("kernel$", P("fsdp", "tp")), (".*", P())], state)
+    assert nnx_specs["wi"]["kernel"] == P("fsdp", "tp")
+    assert nnx_specs["wi"]["bias"] == P()
+
+    abstract = {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    assert fe.match_partition_rules(RULES, abstract) == {"kernel": P("fsdp", "tp")}
+
+
+def test_specs_drive_a_sharded_init():
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    model = nn.Dense(16)
+    x = jnp.ones((2, 8))
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+    specs = fe.match_partition_rules(RULES, abstract)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
+    assert variables["params"]["kernel"].sharding.spec == P("fsdp", "tp")
+    assert variables["params"]["bias"].sharding.spec == P("tp")
+
+
+def test_pattern_strings():
+    spec_of = fe.create_pattern_based_partition_spec("attention|mlp->fsdp.tp, embed->tp.None")
+    assert spec_of("layers/0/attention/q", np.zeros((4, 4))) == P("fsdp", "tp")
+    assert spec_of("layers/0/mlp/wi", np.zeros((4, 4))) == P("fsdp", "tp")
+    assert spec_of("embed/table", np.zeros((8, 4))) == P("tp", None)
+    assert spec_of("mlp/bias", np.zeros(4)) == P("fsdp")  # trimmed to the rank
+    assert spec_of("norm", np.zeros(4)) == P()
+    with_default = fe.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp"))
+    assert with_default("other", np.zeros(4)) == P("fsdp")
+
+
+def test_pattern_string_errors():
+    with pytest.raises(fe.PartitionRuleError, match=r"rule 'attention' must be"):
+        fe.create_pattern_based_partition_spec("attention")
+    with pytest.raises(fe.PartitionRuleError, match="empty regex"):
+        fe.create_pattern_based_partition_spec("a||b->tp")
+    mesh = fe.create_mesh((2, 4), ("dp", "tp"))
+    with pytest.raises(fe.PartitionRuleError, match="names axis 'fsdp'"):
+        fe.create_pattern_based_partition_spec("a->fsdp", mesh=mesh)
+    with jax.set_mesh(mesh), pytest.raises(fe.PartitionRuleError, match="names axis 'sp'"):
+        fe.create_pattern_based_partition_spec("a->sp")

@@ -1,0 +1,97 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_escale as fe
+
+
+@pytest.fixture
+def mesh():
+    return fe.create_mesh((1, 4, 1, 2, 1))
+
+
+def test_extract_shardings_reads_arrays_boxes_and_specs(mesh):
+    w = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P("fsdp", "tp")))
+    abstract = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+    boxed = nn.LogicallyPartitioned(w, ("embed", "mlp"))
+    tree = {"w": w, "abstract": abstract, "boxed": boxed, "n": 3, "np": np.zeros(3)}
+    out = fe.extract_shardings(tree, mesh)
+    assert out["w"] == w.sharding
+    assert out["abstract"] == NamedSharding(mesh, P("tp"))
+    assert out["boxed"] == w.sharding
+    assert out["n"] is None
+    assert out["np"] is None
+
+
+def test_extract_sharding_structure_and_alias(mesh):
+    w = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P("fsdp")))
+    single = jax.device_put(np.zeros(2), jax.devices()[0])
+    tree = {"w": w, "single": single, "host": np.zeros(2)}
+    out = fe.extract_sharding_structure(tree)
+    assert out == {"w": w.sharding, "single": None, "host": None}
+    assert fe.get_shardings_with_structure(tree) == out
+
+
+def test_get_partition_spec(mesh):
+    w = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P("fsdp", "tp")))
+    assert fe.get_partition_spec({"w": w, "lr": 0.1, "step": 3}) == {
+        "w": P("fsdp", "tp"),
+        "lr": P(),
+        "step": P(),
+    }
+    with pytest.raises(fe.EscaleError, match="unsupported leaf str"):
+        fe.get_partition_spec({"name": "x"})
+
+
+def test_get_names_from_partition_spec():
+    specs = {"a": P(("fsdp", "sp"), "tp"), "b": [P("dp"), None], "c": P()}
+    assert fe.get_names_from_partition_spec(specs) == ["dp", "fsdp", "sp", "tp"]
+    assert fe.get_names_from_partition_spec(P("tp", None)) == ["tp"]
+    assert fe.get_names_from_partition_spec({}) == []
+
+
+def test_analysis_counts_exact_bytes_per_device(mesh):
+    params = {
+        "w": jax.ShapeDtypeStruct((16, 8), np.float32),  # 512 B, split 8 ways -> 64 B each
+        "e": jax.ShapeDtypeStruct((8, 6), np.float32),  # 192 B, fsdp only -> 48 B each
+        "b": jax.ShapeDtypeStruct((8,), np.float32),  # 32 B, replicated
+    }
+    specs = {"w": P("fsdp", "tp"), "e": P("fsdp"), "b": None}
+    a = fe.analyze_sharding_strategy(params, specs, mesh)
+    assert a.total_parameters == 128 + 48 + 8
+    assert a.sharded_parameters == 128 + 48
+    assert a.total_bytes == 512 + 192 + 32
+    assert set(a.bytes_per_device.values()) == {64 + 48 + 32}
+    assert a.max_device_bytes == a.min_device_bytes == 144
+    assert a.balance_score == 1.0
+    assert a.ideal_device_bytes == pytest.approx(736 / 8)
+    assert a.partition_stats[str(P("fsdp", "tp"))] == {"arrays": 1, "parameters": 128, "bytes": 512}
+    assert a.partition_stats[str(P())]["arrays"] == 1
+
+
+def test_analysis_sees_imbalance_and_uses_the_context_mesh():
+    mesh = fe.create_mesh((2, 4), ("dp", "tp"), devices=jax.devices())
+    sub = fe.create_mesh((1, 2), ("dp", "tp"), devices=jax.devices()[:2])
+    params = {"w": jnp.zeros((4, 4))}
+    with jax.set_mesh(mesh):
+        even = fe.analyze_sharding_strategy(params, P("dp", "tp"))
+    assert even.balance_score == 1.0
+    assert set(even.bytes_per_device.values()) == {8}
+    uneven = {"w": jax.ShapeDtypeStruct((5, 4), np.float32)}  # 5 rows over tp=2: 3 and 2
+    lopsided = fe.analyze_sharding_strategy(uneven, {"w": P("tp")}, sub)
+    assert lopsided.bytes_per_device == {0: 48, 1: 32}
+    assert lopsided.balance_score == pytest.approx(2 / 3)
+    with pytest.raises(fe.NoMeshError, match="analyze_sharding_strategy"):
+        fe.analyze_sharding_strategy(params, P())
+
+
+def test_analysis_errors_name_the_path(mesh):
+    params = {"w": jax.ShapeDtypeStruct((8, 8), np.float32)}
+    with pytest.raises(fe.EscaleError, match=r"'w': spec .* names axis 'nope'"):
+        fe.analyze_sharding_strategy(params, {"w": P("nope")}, mesh)
+    with pytest.raises(fe.EscaleError, match="more entries than shape"):
+        fe.analyze_sharding_strategy(params, {"w": P("fsdp", "tp", None)}, mesh)
