@@ -41,6 +41,14 @@ from flax_escale.mesh import (
     parse_mesh_shape,
     resolve_axis_dims,
 )
+from flax_escale.report import (
+    MemoryEstimate,
+    ShardingReport,
+    UnshardedParameterError,
+    check_sharded,
+    sharding_report,
+    will_it_fit,
+)
 from flax_escale.resolve import (
     Correction,
     LogicalAxes,
@@ -93,6 +101,7 @@ __all__ = [
     "EscaleTypeError",
     "LogicalAxes",
     "LogicalRules",
+    "MemoryEstimate",
     "MeshAxes",
     "MeshAxisNames",
     "MeshError",
@@ -107,12 +116,15 @@ __all__ = [
     "ShardingAnalysis",
     "ShardingCorrectionWarning",
     "ShardingPlan",
+    "ShardingReport",
     "ShardingResolutionError",
+    "UnshardedParameterError",
     "analyze_sharding_strategy",
     "apply_spec",
     "as_logical_rules",
     "auto_partition_spec",
     "calculate_host_mesh_shape",
+    "check_sharded",
     "constrain",
     "cpu_context",
     "create_cpu_mesh",
@@ -144,7 +156,9 @@ __all__ = [
     "resolve_logical_axes",
     "resolve_mesh_axes",
     "sharded_module",
+    "sharding_report",
     "standard_logical_axis_rules",
     "use_sharding",
+    "will_it_fit",
     "with_sharding_constraint",
 ]

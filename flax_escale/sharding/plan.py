@@ -158,14 +158,16 @@ class ShardingPlan:
         ]
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         footer = (
-            f"{len(self.entries)} arrays on mesh ({mesh}): {_size(self.nbytes)} in all, "
-            f"{_size(self.nbytes_per_device)} per device; {len(self.corrections)} corrections, "
+            f"{len(self.entries)} arrays on mesh ({mesh}): {format_bytes(self.nbytes)} in all, "
+            f"{format_bytes(self.nbytes_per_device)} per device; "
+            f"{len(self.corrections)} corrections, "
             f"{len(self.unannotated)} unannotated"
         )
         return "\n".join([*(line.rstrip() for line in lines), footer, *self.notes])
 
 
-def _size(nbytes: int) -> str:
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in B, KiB, MiB, GiB or TiB, for tables and messages."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")
     power = min(int(math.log(max(nbytes, 1), 1024)), len(units) - 1)
     digits = 0 if power == 0 else 2
