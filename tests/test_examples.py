@@ -1,4 +1,5 @@
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +46,38 @@ def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
     assert "0 corrections, 0 unannotated" in out
     assert len(losses) == 10
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_main_job_plans_trains_and_reports_memory(capsys, api):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = capsys.readouterr().out
+    assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
+    assert "train step per device: arguments" in out
+    assert "parameters + optimizer state" in out
+    assert losses[-1] < losses[0]
+
+
+def test_main_job_rejects_an_unknown_axis():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        with pytest.raises(fe.MeshError, match="unknown axis 'model'"):
+            load("train_lm").main(["--mesh", "model:8"])
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_quick_start_command_one_runs_in_a_fresh_process():
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_lm.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert "sharding plan on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)" in done.stdout
+    assert "loss" in done.stdout

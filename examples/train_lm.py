@@ -1,0 +1,127 @@
+"""The main job: a small transformer initialized sharded on 8 simulated CPU devices and trained.
+
+Run ``python examples/train_lm.py`` (the README's first command does). It builds the mesh from
+``--mesh`` (named, like ``dp:1,fsdp:4,tp:2``: axes left out have size 1), builds the NNX Llama of
+``nnx_llama.py`` (or, with ``--api linen``, the Linen GPT of ``linen_gpt.py``) directly sharded,
+prints the sharding plan and the memory a training step needs per device, trains on synthetic
+data with a progress bar, and prints the per-device memory of parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp
+import linen_gpt
+import nnx_llama
+import optax
+from flax import nnx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+import flax_escale as fe
+from flax_escale import linen as fel
+from flax_escale import nnx as fen
+
+
+def mesh_from_string(text: str) -> jax.sharding.Mesh:
+    """A five-axis escale mesh from ``dp:1,fsdp:4,tp:2`` (absent axes: size 1) or ``1,4,1,2,1``."""
+    names = fe.DEFAULT_AXIS_NAMES
+    if ":" in text:
+        names = tuple(token.split(":")[0].strip() for token in text.split(","))
+        unknown = [n for n in names if n not in fe.DEFAULT_AXIS_NAMES]
+        if unknown:
+            raise fe.MeshError(
+                f"--mesh {text!r}: unknown axis {unknown[0]!r}; use {fe.DEFAULT_AXIS_NAMES}."
+            )
+    sizes, order = fe.parse_mesh_shape(text, names)
+    given = dict(zip(order, sizes, strict=True))
+    return fe.create_mesh(tuple(given.get(n, 1) for n in fe.DEFAULT_AXIS_NAMES))
+
+
+class Trainer:
+    """One of the two example models, built sharded, with a jitted step over pure arrays."""
+
+    def __init__(self, api: str, mesh: jax.sharding.Mesh, rules: fe.PartitionAxis, batch: int):
+        self.api, self.mesh, self.rules = api, mesh, rules
+        tx = optax.adamw(3e-3)
+        if api == "nnx":
+            self.config = nnx_llama.Config()
+            self.plan = fen.plan_sharding(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
+            model = fen.init_sharded(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
+            optimizer = fen.init_optimizer(model, tx)
+            self.graphdef, self.state = nnx.split((model, optimizer))
+            self.step = jax.jit(self._nnx_step)
+        else:
+            self.config = linen_gpt.Config()
+            example = jnp.zeros((batch, self.config.max_len), jnp.int32)
+            model = linen_gpt.Gpt(self.config)
+            key = jax.random.key(0)
+            self.plan = fel.plan_sharding(model, mesh, key, example, rules=rules)
+            self.state = fel.init_train_state(model, mesh, key, example, tx=tx, rules=rules)
+            self.step = linen_gpt.train_step
+
+    def _nnx_step(self, state: nnx.State, tokens: jax.Array) -> tuple[nnx.State, jax.Array]:
+        model, optimizer = nnx.merge(self.graphdef, state)
+        loss, grads = nnx.value_and_grad(nnx_llama.loss_fn)(model, tokens)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    def train(self, tokens: jax.Array) -> float:
+        self.state, loss = self.step(self.state, tokens)
+        return float(loss)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="dp:1,fsdp:4,tp:2", help="e.g. dp:2,fsdp:2,tp:2")
+    parser.add_argument("--api", choices=["nnx", "linen"], default="nnx")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args(argv)
+    # Wide enough for the plan table when the output is a log rather than a terminal.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+
+    mesh = mesh_from_string(args.mesh)
+    rules = fe.PartitionAxis()
+    console.print(
+        f"[bold]mesh[/] {dict(mesh.shape)} on {mesh.size} {jax.default_backend()} devices"
+    )
+    trainer = Trainer(args.api, mesh, rules, args.batch)
+    report = fe.sharding_report(trainer.plan, console=console)
+    seq = 32
+    data = linen_gpt.batches(trainer.config, args.batch, seq)
+    with fe.use_sharding(mesh, rules):
+        sample = fe.constrain(next(data), ("batch", "sequence"))
+        estimate = fe.will_it_fit(trainer.step, trainer.state, sample)
+        console.print(f"[bold]train step[/] {estimate}")
+        losses = []
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
+        with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task(f"training ({args.api})", total=args.steps, loss="")
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                losses.append(trainer.train(fe.constrain(next(data), ("batch", "sequence"))))
+                progress.update(task, advance=1, loss=f"loss {losses[-1]:.4f}")
+    per_step = (time.perf_counter() - start) / args.steps * 1e3
+    state = fe.sharding_report(trainer.state, mesh, show=False)
+    console.print(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps ({per_step:.0f} ms/step,"
+        " the first one compiling)"
+    )
+    console.print(
+        f"per device: parameters {report.max_device_bytes:,} B of {report.total_bytes:,} B; "
+        f"parameters + optimizer state {state.max_device_bytes:,} B of {state.total_bytes:,} B"
+    )
+    return losses
+
+
+if __name__ == "__main__":
+    main()
