@@ -298,3 +298,8 @@ def test_params_on_two_meshes(mesh, devices):
         opt_state_shardings(optax.adam(1e-3), params)
     with pytest.raises(EscaleError, match="one mesh"):
         init_opt_state(optax.adam(1e-3), params)
+
+
+def test_empty_params_are_refused_clearly():
+    with pytest.raises(EscaleError, match="no parameters"):
+        opt_state_shardings(optax.adam(1e-3), {})

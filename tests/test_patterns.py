@@ -183,22 +183,12 @@ def test_invalid_regex(pattern):
     assert not isinstance(info.value, EscaleTypeError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a pattern is wrapped as '(?:.*/)?(?:pattern)', so a valid regex with leading "
-    "inline flags such as '(?i)kernel' fails to compile and is reported as invalid",
-)
 def test_inline_flags_are_a_valid_pattern():
     assert re.compile("(?i)kernel").fullmatch("KERNEL")
     p = AxesPatterns.compile("M", {"(?i)kernel": ("a",)})
     assert p.match("wi/KERNEL") == ("(?i)kernel", ("a",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the position in the 'not a valid regular expression' message is an offset into "
-    "the wrapped regex '(?:.*/)?(?:...)', not into the pattern the user wrote",
-)
 def test_invalid_regex_position_refers_to_the_pattern():
     with pytest.raises(re.error) as expected:
         re.compile("ker(nel")

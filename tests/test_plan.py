@@ -512,11 +512,6 @@ def test_resolve_mesh_axes_strict_passes_a_valid_spec(mesh2):
     assert r.corrections == ()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: describe() shows `logical_axes or mesh_axes`, so a scalar annotated with empty "
-    "logical axes () is listed as None instead of ()",
-)
 def test_describe_shows_empty_logical_axes_of_an_annotated_scalar(mesh):
     plan = _quiet_plan(mesh, {"s": _sds(())}, {"s": Annotation(logical_axes=())})
     assert plan.unannotated == ()

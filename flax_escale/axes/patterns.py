@@ -70,7 +70,7 @@ class AxesPatterns:
                     f"got {names!r}."
                 )
             try:
-                regex = re.compile(rf"(?:.*/)?(?:{pattern})")
+                regex = re.compile(pattern)
             except re.error as error:
                 raise EscaleError(
                     f"{owner}: pattern {pattern!r} is not a valid regular expression: {error}."
@@ -89,8 +89,12 @@ class AxesPatterns:
 
     def match(self, path: str) -> tuple[str, tuple[str | None, ...]] | None:
         """The first ``(pattern, logical axes)`` whose pattern matches ``path``, if any."""
+        # Whole trailing components: the pattern must match one of the path's suffixes that
+        # start at a component boundary (the user's regex is used as written, flags and all).
+        parts = path.split("/")
+        suffixes = ["/".join(parts[i:]) for i in range(len(parts))]
         for pattern, regex, names in self.entries:
-            if regex.fullmatch(path):
+            if any(regex.fullmatch(suffix) for suffix in suffixes):
                 return pattern, names
         return None
 

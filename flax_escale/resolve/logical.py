@@ -149,8 +149,11 @@ def as_logical_rules(rules: RulesLike = None) -> LogicalRules:
         return _translated(rules)
     if rules is None:
         rules = nn.get_logical_axis_rules() or _translated(PartitionAxis())
-    if isinstance(rules, tuple) and _is_frozen(rules):
-        return rules
+    if isinstance(rules, tuple):
+        try:
+            return _frozen(rules)
+        except TypeError:  # unhashable entries (lists): freeze them below
+            pass
     return tuple(_freeze_rule(rule) for rule in rules)
 
 
@@ -159,12 +162,10 @@ def _translated(paxis: PartitionAxis) -> LogicalRules:
     return paxis.logical_axis_rules()
 
 
-def _is_frozen(rules: tuple[Any, ...]) -> bool:
-    try:
-        hash(rules)
-    except TypeError:
-        return False
-    return all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) for r in rules)
+@functools.lru_cache(maxsize=256)
+def _frozen(rules: tuple[Any, ...]) -> LogicalRules:
+    # Cached: resolving many arrays with the same rules checks them once.
+    return tuple(_freeze_rule(rule) for rule in rules)
 
 
 def _freeze_rule(rule: Any) -> tuple[str, MeshAxes]:

@@ -47,6 +47,8 @@ def opt_state_shardings(
     """
     shardings = jax.tree.map(_named_sharding, params)
     meshes = {s.mesh for s in jax.tree.leaves(shardings)}
+    if not meshes:
+        raise EscaleError("params: there are no parameters to create optimizer state for.")
     if len(meshes) != 1:
         raise EscaleError(
             f"params: the parameters must all be sharded on one mesh, found {len(meshes)}."

@@ -27,19 +27,23 @@ def is_box(x: Any) -> bool:
 
 def unbox(x: Any) -> Any:
     """The array inside a box, without the constraint Flax's own unboxing adds; else ``x``."""
-    if isinstance(x, nnx.Variable):
-        return x.get_value()
+    # Cheapest checks first: isinstance against nnx.Variable goes through a metaclass hook.
     if isinstance(x, nn.Partitioned):
         return x.unbox(apply_constraint=False)
-    return x.unbox() if isinstance(x, meta.AxisMetadata) else x
+    if isinstance(x, meta.AxisMetadata):
+        return x.unbox()
+    return x.get_value() if isinstance(x, nnx.Variable) else x
 
 
 def key_name(key: Any) -> str:
     """One path component: a dict key, attribute name or sequence index, as a string."""
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    return str(getattr(key, "key", key))
 
 
 def path_of(key_path: Sequence[Any]) -> str:

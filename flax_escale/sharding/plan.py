@@ -115,7 +115,11 @@ class ShardingPlan:
 
     def shardings(self) -> Any:
         """The ``NamedSharding`` of every array, as a tree shaped like the variables."""
-        return self.treedef.unflatten([NamedSharding(self.mesh, e.spec) for e in self.entries])
+        made: dict[PartitionSpec, NamedSharding] = {}
+        for entry in self.entries:
+            if entry.spec not in made:
+                made[entry.spec] = NamedSharding(self.mesh, entry.spec)
+        return self.treedef.unflatten([made[e.spec] for e in self.entries])
 
     @property
     def corrections(self) -> tuple[tuple[str, Correction], ...]:
@@ -143,7 +147,8 @@ class ShardingPlan:
         for e in self.entries:
             given = "-"
             if e.annotation is not None:
-                given = str(e.annotation.logical_axes or e.annotation.mesh_axes)
+                logical, meshed = e.annotation.logical_axes, e.annotation.mesh_axes
+                given = str(logical if logical is not None else meshed)
             notes = [f"dim {c.dim}: {c.detail}" for c in e.resolution.corrections]
             notes += [f"no rule for {n!r}" for n in e.resolution.unknown_names]
             notes += [
