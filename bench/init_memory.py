@@ -59,7 +59,8 @@ def per_device_table() -> None:
     }
     header = ("model", "devices", "naive B/device", "sharded B/device", "ratio", "vs ideal")
     widths = (-10, 7, 15, 17, 6, 9)
-    print(" ".join(f"{h:{'<' if w < 0 else '>'}{abs(w)}}" for h, w in zip(header, widths)))
+    cells = zip(header, widths, strict=True)
+    print(" ".join(f"{h:{'<' if w < 0 else '>'}{abs(w)}}" for h, w in cells))
     for count in (1, 2, 4, 8):
         mesh = fe.create_mesh((1, count, 1, 1, 1), devices=jax.devices()[:count])
         sharded = {
