@@ -197,6 +197,6 @@ def test_unused_pattern_is_reported_by_the_plan():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.warns(fe.ShardingCorrectionWarning, match="pattern 'kernal' matched no variable"):
         plan = fen.plan_sharding(Typo, mesh, 0)
-    assert plan["d/kernel"].spec == jax.P(("fsdp", "sp"), "tp")
+    assert plan["d/kernel"].spec == jax.P(("fsdp", "sp"), None)
     with pytest.raises(fe.EscaleError, match="pattern 'kernal' matched no variable"):
         fen.plan_sharding(Typo, mesh, 0, strict=True)

@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_escale import EscaleError, PartitionAxis, create_mesh, logical_to_mesh_axes
@@ -142,7 +143,9 @@ def test_design_table_through_plain_flax(axes, spec):
 def test_design_table_on_the_default_mesh_with_shapes(axes, spec):
     mesh = create_mesh((1, 4, 1, 2, 1))  # fsdp=4, tp=2
     shape = tuple(64 for _ in axes)
-    assert logical_to_mesh_axes(axes, shape=shape, mesh=mesh, strict=True) == spec
+    got = logical_to_mesh_axes(axes, shape=shape, mesh=mesh, strict=True)
+    # ep has size 1 here: the expert rule splits nothing, so the spec may leave it out.
+    assert NamedSharding(mesh, got).is_equivalent_to(NamedSharding(mesh, spec), len(axes))
 
 
 def test_rule_order_wide_names_first_then_fallbacks():

@@ -114,7 +114,18 @@ def test_size_one_axes_are_fine():
     resolution = resolve_logical_axes(
         ("batch", "sequence", "hidden_state"), shape=(8, 3, 5), mesh=mesh, strict=True
     )
-    assert resolution.spec == P(("fsdp", "dp"), "sp", "tp")
+    # sp has no later rule, so it stays; tp would split nothing and hidden_state has a
+    # fallback, which fsdp (already taken by batch) cannot serve: the dimension stays whole.
+    assert resolution.spec == P(("fsdp", "dp"), "sp", None)
+    assert resolution.ok
+
+
+def test_size_one_rules_leave_the_dimension_to_a_later_rule():
+    mesh = create_mesh((1, 8, 1, 1, 1))
+    assert logical_to_mesh_axes(("hidden_state",), shape=(64,), mesh=mesh) == P(("fsdp", "sp"))
+    assert logical_to_mesh_axes(("hidden_state",)) == P("tp")  # no mesh: Flax's answer
+    two = create_mesh((1, 4, 1, 2, 1))
+    assert logical_to_mesh_axes(("hidden_state",), shape=(64,), mesh=two) == P("tp")
 
 
 def test_axis_missing_from_the_mesh_is_corrected_and_recorded():

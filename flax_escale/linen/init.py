@@ -189,8 +189,8 @@ def init_train_state(
         ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
         >>> state = init_train_state(model, mesh, jax.random.key(0), jnp.ones((2, 8)),
         ...                          tx=optax.adam(1e-3))
-        >>> state.opt_state[0].mu["kernel"].sharding.spec
-        P(('fsdp', 'sp'), 'tp')
+        >>> state.opt_state[0].mu["kernel"].sharding.spec  # tp=1 would split nothing
+        P(('fsdp', 'sp'), None)
     """
     variables = init_sharded(
         model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs

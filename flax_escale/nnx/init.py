@@ -199,8 +199,8 @@ def init_optimizer(
         ...     def __init__(self, rngs):
         ...         self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
         >>> opt = init_optimizer(init_sharded(Up, mesh, 0), optax.adam(1e-3), shard_over=("dp",))
-        >>> opt.opt_state[0].mu["wi"]["kernel"].get_value().sharding.spec
-        P(('fsdp', 'sp', 'dp'), 'tp')
+        >>> opt.opt_state[0].mu["wi"]["kernel"].get_value().sharding.spec  # tp=1 splits nothing
+        P(('fsdp', 'sp', 'dp'), None)
     """
     if not isinstance(model, nnx.Module):
         raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")

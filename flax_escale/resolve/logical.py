@@ -165,7 +165,8 @@ def _translated(paxis: PartitionAxis) -> LogicalRules:
 @functools.lru_cache(maxsize=256)
 def _frozen(rules: tuple[Any, ...]) -> LogicalRules:
     # Cached: resolving many arrays with the same rules checks them once.
-    return tuple(_freeze_rule(rule) for rule in rules)
+    frozen = tuple(_freeze_rule(rule) for rule in rules)
+    return rules if frozen == rules else frozen
 
 
 def _freeze_rule(rule: Any) -> tuple[str, MeshAxes]:
@@ -325,7 +326,7 @@ def _resolve(
     result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
     used: set[str] = set()
     passed: list[PassedOver] = []
-    for name, target in rules:
+    for index, (name, target) in enumerate(rules):
         if name not in names:
             continue
         dim = names.index(name)
@@ -334,6 +335,9 @@ def _resolve(
             continue
         if _indivisible(axes, dim, shape, mesh):
             passed.append(PassedOver(dim, name, axes, shape[dim]))
+            continue
+        if _trivial(axes, mesh) and any(n == name for n, _ in rules[index + 1 :]):
+            # Axes of total size 1 split nothing: leave the dimension to a later rule that may.
             continue
         result[dim] = target
         used.update(axes)
@@ -345,6 +349,15 @@ def _resolve(
         spec, corrections = fit_spec(rules_spec, shape, mesh)
     return Resolution(
         names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown
+    )
+
+
+def _trivial(axes: tuple[str, ...], mesh: dict[str, int] | None) -> bool:
+    return (
+        mesh is not None
+        and bool(axes)
+        and all(a in mesh for a in axes)
+        and math.prod(mesh[a] for a in axes) == 1
     )
 
 
