@@ -3,7 +3,8 @@
 Rules apply with the priority semantics of ``flax.linen.logical_to_mesh_axes``: in order, a rule
 fills a dimension that is still free, and only with mesh axes the array does not use yet; names
 without a rule stay unsharded. With a shape and a mesh, a rule whose mesh axes do not divide the
-dimension is passed over, so a later rule for the same name can apply; what still does not fit
+dimension is passed over, so a later rule for the same name can apply, and so is a rule whose axes
+all have size 1 when such a later rule exists (it would split nothing); what still does not fit
 is corrected by :func:`~flax_escale.resolve.fit.fit_spec` and recorded.
 """
 
