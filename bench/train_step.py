@@ -31,6 +31,7 @@ from flax_escale import linen as fel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import linen_gpt  # noqa: E402
+import toy_data  # noqa: E402
 
 COLLECTIVE = re.compile(
     r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\("
@@ -89,7 +90,7 @@ def main() -> None:
         "flax_escale": fel.init_train_state(model, mesh, key, tokens, tx=tx, rules=rules),
         "flax built-ins": by_hand(model, mesh, rules, key, tokens, tx),
     }
-    data = linen_gpt.batches(config, 32, config.max_len)
+    data = toy_data.batches(config.vocab, 32, config.max_len)
     times: dict[str, list[float]] = {name: [] for name in states}
     with fe.use_sharding(mesh, rules):
         batch = fe.constrain(next(data), ("batch", "sequence"))

@@ -20,6 +20,7 @@ if __name__ == "__main__":
 import flax.linen as nn
 import jax.numpy as jnp
 import optax
+import toy_data
 from flax.training.train_state import TrainState
 
 import flax_escale as fe
@@ -127,15 +128,6 @@ class Gpt(nn.Module):
         return fe.constrain(logits, ("batch", "sequence", "vocab"))
 
 
-def batches(config: Config, batch: int, seq: int, seed: int = 0):
-    """Sequences that count upwards modulo the vocabulary, from random starts."""
-    key = jax.random.key(seed)
-    while True:
-        key, sub = jax.random.split(key)
-        start = jax.random.randint(sub, (batch, 1), 0, config.vocab)
-        yield (start + jnp.arange(seq + 1)) % config.vocab
-
-
 def loss_fn(params, apply_fn, tokens):
     logits = apply_fn({"params": params}, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -167,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=rules)
 
     losses = []
-    data = batches(config, args.batch, config.max_len)
+    data = toy_data.batches(config.vocab, args.batch, config.max_len)
     with fe.use_sharding(mesh, rules):
         for step in range(args.steps):
             tokens = fe.constrain(next(data), ("batch", "sequence"))

@@ -20,6 +20,7 @@ if __name__ == "__main__":
 
 import jax.numpy as jnp
 import optax
+import toy_data
 from flax import nnx
 
 import flax_escale as fe
@@ -147,15 +148,6 @@ class Llama(nnx.Module):
         return fe.constrain(logits, ("batch", "sequence", "vocab"))
 
 
-def batches(config: Config, batch: int, seq: int, seed: int = 0):
-    """Sequences that count upwards modulo the vocabulary, from random starts."""
-    key = jax.random.key(seed)
-    while True:
-        key, sub = jax.random.split(key)
-        start = jax.random.randint(sub, (batch, 1), 0, config.vocab)
-        yield (start + jnp.arange(seq + 1)) % config.vocab
-
-
 def loss_fn(model: Llama, tokens: jax.Array) -> jax.Array:
     logits = model(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -187,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
 
     losses = []
-    data = batches(config, args.batch, args.seq)
+    data = toy_data.batches(config.vocab, args.batch, args.seq)
     with fe.use_sharding(mesh, rules):
         for step in range(args.steps):
             tokens = fe.constrain(next(data), ("batch", "sequence"))

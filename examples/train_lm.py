@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import linen_gpt
 import nnx_llama
 import optax
+import toy_data
 from flax import nnx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     trainer = Trainer(args.api, mesh, rules, args.batch)
     report = fe.sharding_report(trainer.plan, console=console)
     seq = 32
-    data = linen_gpt.batches(trainer.config, args.batch, seq)
+    data = toy_data.batches(trainer.config.vocab, args.batch, seq)
     with fe.use_sharding(mesh, rules):
         sample = fe.constrain(next(data), ("batch", "sequence"))
         estimate = fe.will_it_fit(trainer.step, trainer.state, sample)

@@ -15,7 +15,11 @@ def load(name):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(EXAMPLES))  # the examples import each other, as scripts do
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
     return module
 
 
@@ -50,11 +54,7 @@ def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_main_job_plans_trains_and_reports_memory(capsys, api):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
     out = capsys.readouterr().out
     assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
     assert "train step per device: arguments" in out
@@ -63,12 +63,8 @@ def test_main_job_plans_trains_and_reports_memory(capsys, api):
 
 
 def test_main_job_rejects_an_unknown_axis():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        with pytest.raises(fe.MeshError, match="unknown axis 'model'"):
-            load("train_lm").main(["--mesh", "model:8"])
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    with pytest.raises(fe.MeshError, match="unknown axis 'model'"):
+        load("train_lm").main(["--mesh", "model:8"])
 
 
 def test_quick_start_command_one_runs_in_a_fresh_process():

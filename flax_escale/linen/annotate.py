@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 import flax.linen as nn
 from flax.core import meta
 
+from flax_escale.axes.declare import declare
 from flax_escale.axes.patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
 
@@ -234,19 +235,6 @@ def sharded_module(
         >>> params["Dense_0"]["kernel"].names, params["Dense_0"]["bias"].names
         (('hidden_state', 'vocab'), ('vocab',))
     """
-    if cls is None or isinstance(cls, Mapping):
-        declared = cls if logical_axes is None else logical_axes
-        return functools.partial(sharded_module, logical_axes=declared)
-    if logical_axes is None and isinstance(cls, type) and issubclass(cls, ShardedMixin):
-        return cls
-    declared = cls.__dict__.get("logical_axes") if logical_axes is None else logical_axes
-    _install(cls, declared)
-    if not issubclass(cls, ShardedMixin) and "__init_subclass__" not in cls.__dict__:
-        decorated = cls
-
-        def init_subclass(sub: type[nn.Module], **kwargs: Any) -> None:
-            super(decorated, sub).__init_subclass__(**kwargs)
-            _install(sub, sub.__dict__.get("logical_axes"))
-
-        cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
-    return cls
+    return declare(
+        cls, logical_axes, install=_install, mixin=ShardedMixin, decorator=sharded_module
+    )

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
+from flax_escale.axes.declare import declare
 from flax_escale.axes.patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
 
@@ -171,19 +172,6 @@ def sharded_module(
         >>> Head(nnx.Rngs(0)).out.kernel.get_metadata("logical_axes")
         ('hidden_state', 'vocab')
     """
-    if cls is None or isinstance(cls, Mapping):
-        declared = cls if logical_axes is None else logical_axes
-        return functools.partial(sharded_module, logical_axes=declared)
-    if logical_axes is None and isinstance(cls, type) and issubclass(cls, ShardedMixin):
-        return cls
-    declared = cls.__dict__.get("logical_axes") if logical_axes is None else logical_axes
-    _install(cls, declared)
-    if not issubclass(cls, ShardedMixin) and "__init_subclass__" not in cls.__dict__:
-        decorated = cls
-
-        def init_subclass(sub: type, **kwargs: Any) -> None:
-            super(decorated, sub).__init_subclass__(**kwargs)
-            _install(sub, sub.__dict__.get("logical_axes"))
-
-        cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
-    return cls
+    return declare(
+        cls, logical_axes, install=_install, mixin=ShardedMixin, decorator=sharded_module
+    )

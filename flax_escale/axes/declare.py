@@ -1,0 +1,53 @@
+"""The declaration mechanics shared by both front ends' ``sharded_module`` and mixins.
+
+A front end supplies ``install(cls, logical_axes)``, which records the patterns on the class
+and hooks whatever that Flax API needs; this module handles the three ways of declaring
+(decorator with a mapping, bare decorator with a ``logical_axes`` class attribute, mixin) and
+makes subclasses of a decorated class decorated too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Install", "declare"]
+
+Install = Callable[[type, Mapping[str, Sequence[str | None]] | None], None]
+
+
+def declare(
+    cls: Any,
+    logical_axes: Mapping[str, Sequence[str | None]] | None,
+    *,
+    install: Install,
+    mixin: type,
+    decorator: Callable[..., Any],
+) -> Any:
+    """Applies a ``sharded_module`` call: returns a decorator, or the decorated class.
+
+    Args:
+        cls: The class, the mapping (``@sharded_module({...})``) or ``None``
+            (``@sharded_module(logical_axes={...})``).
+        logical_axes: The mapping given by keyword.
+        install: The front end's installer.
+        mixin: The front end's mixin class (its subclasses are already installed).
+        decorator: The front end's ``sharded_module``, returned partially applied.
+    """
+    if cls is None or isinstance(cls, Mapping):
+        declared = cls if logical_axes is None else logical_axes
+        return functools.partial(decorator, logical_axes=declared)
+    if logical_axes is None and isinstance(cls, type) and issubclass(cls, mixin):
+        return cls
+    declared = cls.__dict__.get("logical_axes") if logical_axes is None else logical_axes
+    install(cls, declared)
+    if not issubclass(cls, mixin) and "__init_subclass__" not in cls.__dict__:
+        decorated = cls
+
+        def init_subclass(sub: type, **kwargs: Any) -> None:
+            super(decorated, sub).__init_subclass__(**kwargs)
+            install(sub, sub.__dict__.get("logical_axes"))
+
+        cls.__init_subclass__ = classmethod(init_subclass)
+    return cls
