@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["Install", "declare"]
+__all__ = ["DeclaringMixin", "Install", "declare"]
 
 Install = Callable[[type, Mapping[str, Sequence[str | None]] | None], None]
 
@@ -51,3 +51,19 @@ def declare(
 
         cls.__init_subclass__ = classmethod(init_subclass)
     return cls
+
+
+class DeclaringMixin:
+    """Base of the front ends' mixins: each subclass's ``logical_axes`` is installed with it.
+
+    A front end's mixin sets ``install`` (as a ``staticmethod``); its own subclasses then get
+    their declaration installed as they are created.
+    """
+
+    logical_axes: ClassVar[Mapping[str, Sequence[str | None]]] = {}
+    install: ClassVar[Install]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "install" not in cls.__dict__:  # not the front end's mixin itself
+            cls.install(cls, cls.__dict__.get("logical_axes"))

@@ -14,12 +14,12 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import flax.linen as nn
 from flax.core import meta
 
-from flax_escale.axes.declare import declare
+from flax_escale.axes.declare import DeclaringMixin, declare
 from flax_escale.axes.patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
 
@@ -165,7 +165,7 @@ def _install(cls: type[nn.Module], logical_axes: Mapping[str, Sequence[str | Non
             setattr(cls, name, _annotating_method(method))
 
 
-class ShardedMixin:
+class ShardedMixin(DeclaringMixin):
     """Inherit it (before ``nn.Module``) to declare parameters' logical axes as a class attribute.
 
     ``logical_axes`` has the form :func:`sharded_module` takes. Subclasses inherit the patterns
@@ -184,11 +184,7 @@ class ShardedMixin:
         ('hidden_state', 'mlp_intermediate')
     """
 
-    logical_axes: ClassVar[Mapping[str, Sequence[str | None]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _install(cls, cls.__dict__.get("logical_axes"))
+    install = staticmethod(_install)
 
 
 def sharded_module(

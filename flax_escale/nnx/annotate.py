@@ -15,11 +15,11 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from flax import nnx
 
-from flax_escale.axes.declare import declare
+from flax_escale.axes.declare import DeclaringMixin, declare
 from flax_escale.axes.patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
 
@@ -115,7 +115,7 @@ def _install(cls: type, logical_axes: Mapping[str, Sequence[str | None]] | None)
         cls.__init__ = _annotating_init(cls.__init__)  # type: ignore[method-assign]
 
 
-class ShardedMixin:
+class ShardedMixin(DeclaringMixin):
     """Inherit it (before ``nnx.Module``) to declare variables' logical axes as a class attribute.
 
     ``logical_axes`` has the form :func:`sharded_module` takes; subclasses add patterns that are
@@ -131,11 +131,7 @@ class ShardedMixin:
         ('hidden_state', 'mlp_intermediate')
     """
 
-    logical_axes: ClassVar[Mapping[str, Sequence[str | None]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _install(cls, cls.__dict__.get("logical_axes"))
+    install = staticmethod(_install)
 
 
 def sharded_module(
