@@ -12,6 +12,7 @@ from flax_escale.axes import (
     PartitionAxis,
     standard_logical_axis_rules,
 )
+from flax_escale.checkpoint import restore_checkpoint, save_checkpoint
 from flax_escale.errors import (
     EscaleError,
     EscaleTypeError,
@@ -155,6 +156,8 @@ __all__ = [
     "resolve_axis_dims",
     "resolve_logical_axes",
     "resolve_mesh_axes",
+    "restore_checkpoint",
+    "save_checkpoint",
     "sharded_module",
     "sharding_report",
     "standard_logical_axis_rules",

@@ -70,6 +70,8 @@ EXPECTED = {
         "resolve_axis_dims",
         "resolve_logical_axes",
         "resolve_mesh_axes",
+        "restore_checkpoint",
+        "save_checkpoint",
         "sharded_module",
         "sharding_report",
         "standard_logical_axis_rules",

@@ -1,0 +1,88 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_escale as fe
+from flax_escale import linen as fel
+from flax_escale import nnx as fen
+
+KERNEL_AXES = ("hidden_state", "mlp_intermediate")
+
+
+def dense():
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), KERNEL_AXES)
+    return nn.Dense(64, kernel_init=init)
+
+
+def assert_bit_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_train_state_restores_onto_a_mesh_of_another_shape(tmp_path):
+    x = jnp.ones((4, 32))
+    key = jax.random.key(0)
+    saved_mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    state = fel.init_train_state(dense(), saved_mesh, key, x, tx=optax.adam(1e-3))
+    state, _ = jax.jit(lambda s: (s.apply_gradients(grads=s.params), 0))(state)  # non-zero moments
+    fe.save_checkpoint(tmp_path / "ckpt", state)
+
+    serve_mesh = fe.create_mesh((2, 2, 1, 2, 1))
+    target = fel.init_train_state(dense(), serve_mesh, key, x, tx=optax.adam(1e-3))
+    restored = fe.restore_checkpoint(tmp_path / "ckpt", target)
+    assert_bit_equal(restored, state)
+    kernel = restored.params["kernel"]
+    assert kernel.sharding.mesh == serve_mesh
+    assert kernel.sharding.is_equivalent_to(NamedSharding(serve_mesh, P(("fsdp", "sp"), "tp")), 2)
+    assert restored.opt_state[0].mu["kernel"].sharding.mesh == serve_mesh
+    assert int(restored.step) == 1
+
+
+def test_restore_with_plan_shardings_and_abstract_targets(tmp_path):
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    x = jnp.ones((4, 32))
+    variables = fel.init_sharded(dense(), mesh, jax.random.key(1), x)
+    fe.save_checkpoint(tmp_path / "v", variables)
+    other = fe.create_mesh((2, 4, 1, 1, 1))
+    plan = fel.plan_sharding(dense(), other, jax.random.key(1), x)
+    abstract = jax.eval_shape(lambda: variables)
+    restored = fe.restore_checkpoint(tmp_path / "v", abstract, shardings=plan.shardings())
+    assert_bit_equal(restored, variables)
+    assert restored["params"]["kernel"].sharding.spec == plan["params/kernel"].spec
+
+
+def test_nnx_state_round_trip(tmp_path):
+    @fen.sharded_module({"kernel": KERNEL_AXES})
+    class Up(nnx.Module):
+        def __init__(self, rngs):
+            self.wi = nnx.Linear(32, 64, rngs=rngs)
+
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    model = fen.init_sharded(Up, mesh, 0)
+    fe.save_checkpoint(tmp_path / "m", nnx.state(model))
+    fresh = fen.init_sharded(Up, fe.create_mesh((1, 8, 1, 1, 1)), 1)
+    restored = fe.restore_checkpoint(tmp_path / "m", nnx.state(fresh))
+    nnx.update(fresh, restored)
+    assert_bit_equal(nnx.state(fresh), nnx.state(model))
+    assert fresh.wi.kernel.get_value().sharding.mesh.shape["fsdp"] == 8
+
+
+def test_errors(tmp_path):
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    tree = {"w": jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, P("fsdp")))}
+    fe.save_checkpoint(tmp_path / "c", tree)
+    with pytest.raises(fe.EscaleError, match="exists; pass force=True"):
+        fe.save_checkpoint(tmp_path / "c", tree)
+    fe.save_checkpoint(tmp_path / "c", tree, force=True)
+    with pytest.raises(fe.EscaleError, match="no checkpoint at"):
+        fe.restore_checkpoint(tmp_path / "missing", tree)
+    with pytest.raises(fe.EscaleError, match="NamedSharding"):
+        fe.restore_checkpoint(tmp_path / "c", {"w": np.zeros((8, 2))})
