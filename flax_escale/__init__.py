@@ -13,6 +13,12 @@ from flax_escale.axes import (
     standard_logical_axis_rules,
 )
 from flax_escale.checkpoint import restore_checkpoint, save_checkpoint
+from flax_escale.data import (
+    batch_sharding,
+    global_to_host_local,
+    host_local_to_global,
+    process_batch_slice,
+)
 from flax_escale.errors import (
     EscaleError,
     EscaleTypeError,
@@ -124,6 +130,7 @@ __all__ = [
     "apply_spec",
     "as_logical_rules",
     "auto_partition_spec",
+    "batch_sharding",
     "calculate_host_mesh_shape",
     "check_sharded",
     "constrain",
@@ -143,6 +150,8 @@ __all__ = [
     "get_partition_spec",
     "get_shardings_with_structure",
     "get_submesh_device_index",
+    "global_to_host_local",
+    "host_local_to_global",
     "init_opt_state",
     "init_sharded",
     "logical_to_mesh_axes",
@@ -152,6 +161,7 @@ __all__ = [
     "opt_state_shardings",
     "parse_mesh_from_string",
     "parse_mesh_shape",
+    "process_batch_slice",
     "reshard_tree",
     "resolve_axis_dims",
     "resolve_logical_axes",

@@ -1,0 +1,102 @@
+"""Multi-host data: the slice of the global batch a process loads, and the global array.
+
+A process's rows become one global sharded array, and a global array gives back a process's
+rows.
+
+Under ``jax.distributed`` every process loads only the examples its own devices hold. The batch
+dimension is split over the data axes of the mesh (``batch`` resolves to ``('fsdp', 'dp')`` by
+default), so the rows a process needs follow from the sharding alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_escale.errors import EscaleError
+from flax_escale.resolve.logical import LogicalAxes, RulesLike, resolve_logical_axes
+
+__all__ = ["batch_sharding", "global_to_host_local", "host_local_to_global", "process_batch_slice"]
+
+BATCH_AXES = ("batch", "sequence")
+
+
+def batch_sharding(
+    mesh: Mesh, shape: tuple[int, ...], logical_axes: LogicalAxes = None, rules: RulesLike = None
+) -> NamedSharding:
+    """The sharding of a global batch of ``shape``, by logical names (default batch, sequence).
+
+    Example:
+        >>> batch_sharding(create_mesh((2, 4, 1, 1, 1)), (16, 32)).spec
+        P(('fsdp', 'dp'), 'sp')
+    """
+    names = logical_axes if logical_axes is not None else BATCH_AXES[: len(shape)]
+    names = tuple(names) + (None,) * (len(shape) - len(tuple(names)))
+    spec = resolve_logical_axes(names, rules, shape=shape, mesh=mesh).spec
+    return NamedSharding(mesh, spec)
+
+
+def process_batch_slice(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+    """The rows of the global batch (dimension 0) that this process's devices hold.
+
+    Raises:
+        EscaleError: If those rows are not one contiguous range (the mesh interleaves processes
+            along the batch axes), so that a loader cannot read them as one slice.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> process_batch_slice(batch_sharding(mesh, (16, 4)), (16, 4))  # one process: all rows
+        slice(0, 16, None)
+    """
+    rows = set()
+    for device, index in sharding.devices_indices_map(tuple(global_shape)).items():
+        if device.process_index == jax.process_index():
+            rows.update(range(*index[0].indices(global_shape[0])))
+    start, stop = min(rows), max(rows) + 1
+    if len(rows) != stop - start:
+        raise EscaleError(
+            f"process {jax.process_index()} holds rows {sorted(rows)[:8]}... of the batch under "
+            f"{sharding.spec} on mesh {dict(sharding.mesh.shape)}: not one contiguous range. Put "
+            "the process-spanning mesh axes first in the batch axes."
+        )
+    return slice(start, stop)
+
+
+def host_local_to_global(local: Any, sharding: NamedSharding, global_shape: tuple[int, ...]) -> Any:
+    """One global ``jax.Array`` from the rows this process loaded.
+
+    The rows are those :func:`process_batch_slice` names; ``local`` may be a tree of them.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> sharding = batch_sharding(mesh, (16, 4))
+        >>> batch = host_local_to_global(np.ones((16, 4), np.float32), sharding, (16, 4))
+        >>> batch.shape, batch.sharding.spec
+        ((16, 4), P(('fsdp', 'dp'), 'sp'))
+    """
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape),
+        local,
+    )
+
+
+def global_to_host_local(array: jax.Array) -> np.ndarray:
+    """The rows of a global batch that this process holds, as a host ``numpy`` array.
+
+    Example:
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> sharding = batch_sharding(mesh, (16, 4))
+        >>> batch = host_local_to_global(np.arange(64.0).reshape(16, 4), sharding, (16, 4))
+        >>> global_to_host_local(batch).shape
+        (16, 4)
+    """
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise EscaleError(f"global_to_host_local needs a NamedSharding, got {sharding!r}.")
+    spec = PartitionSpec(*sharding.spec)
+    local = multihost_utils.global_array_to_host_local_array(array, sharding.mesh, spec)
+    return np.asarray(local)

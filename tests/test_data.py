@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+from distributed import run_processes
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_escale as fe
+
+
+def test_batch_sharding_resolves_batch_and_sequence():
+    mesh = fe.create_mesh((2, 2, 1, 1, 2))
+    assert fe.batch_sharding(mesh, (8, 16)).spec == P(("fsdp", "dp"), "sp")
+    assert fe.batch_sharding(mesh, (8, 16, 4)).spec == P(("fsdp", "dp"), "sp", None)
+    assert fe.batch_sharding(mesh, (8, 3)).spec == P(("fsdp", "dp"), None)  # 3 % sp
+    custom = fe.batch_sharding(mesh, (8, 4), ("batch", None), rules=[("batch", "dp")])
+    assert custom.spec == P("dp", None)
+
+
+def test_single_process_round_trip_is_exact():
+    mesh = fe.create_mesh((2, 4, 1, 1, 1))
+    sharding = fe.batch_sharding(mesh, (16, 4))
+    assert fe.process_batch_slice(sharding, (16, 4)) == slice(0, 16)
+    data = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+    batch = fe.host_local_to_global(data, sharding, (16, 4))
+    assert batch.sharding == sharding
+    assert batch.addressable_shards[0].data.shape == (2, 4)
+    np.testing.assert_array_equal(fe.global_to_host_local(batch), data)
+    tree = fe.host_local_to_global({"x": data, "y": data * 2}, sharding, (16, 4))
+    np.testing.assert_array_equal(fe.global_to_host_local(tree["y"]), data * 2)
+
+
+def test_global_to_host_local_needs_a_named_sharding():
+    import jax
+
+    with pytest.raises(fe.EscaleError, match="NamedSharding"):
+        fe.global_to_host_local(jax.device_put(np.zeros(4), jax.devices()[0]))
+    assert isinstance(fe.batch_sharding(fe.create_mesh((1, 8, 1, 1, 1)), (8,)), NamedSharding)
+
+
+SNIPPET = """
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import flax_escale as fe
+
+mesh = fe.create_mesh({dims})
+shape = (16, 4)
+full = np.arange(64, dtype=np.float32).reshape(shape)
+sharding = fe.batch_sharding(mesh, shape, rules={rules})
+rows = fe.process_batch_slice(sharding, shape)
+batch = fe.host_local_to_global(full[rows], sharding, shape)
+total = float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(batch))
+back = fe.global_to_host_local(batch)
+result = {{
+    "rows": [rows.start, rows.stop],
+    "total": total,
+    "back_equal": bool(np.array_equal(back, full[rows])),
+    "spec": str(batch.sharding.spec),
+}}
+"""
+
+
+def test_each_process_loads_its_rows_and_the_global_batch_is_whole():
+    first, second = run_processes(SNIPPET.format(dims=(1, 8, 1, 1, 1), rules=None))
+    assert first["rows"] == [0, 8]
+    assert second["rows"] == [8, 16]
+    for result in (first, second):
+        assert result["total"] == float(sum(range(64)))
+        assert result["back_equal"]
+
+
+def test_data_parallel_across_hosts_needs_dp_first_in_the_batch_axes():
+    # dp spans the two processes: with dp first in the batch axes, each process's rows are
+    # one contiguous range of the global batch.
+    rules = [("batch", ("dp", "fsdp")), ("sequence", "sp")]
+    first, second = run_processes(SNIPPET.format(dims=(2, 2, 1, 2, 1), rules=rules))
+    assert {tuple(first["rows"]), tuple(second["rows"])} == {(0, 8), (8, 16)}
+    assert first["total"] == second["total"] == float(sum(range(64)))
+    assert first["back_equal"]
+    assert second["back_equal"]
+
+
+def test_interleaved_rows_are_refused_with_a_clear_message():
+    with pytest.raises(AssertionError, match="not one contiguous range"):
+        run_processes(SNIPPET.format(dims=(2, 2, 1, 2, 1), rules=None))
