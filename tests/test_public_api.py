@@ -62,6 +62,7 @@ EXPECTED = {
         "host_local_to_global",
         "init_opt_state",
         "init_sharded",
+        "initialize_distributed",
         "logical_to_mesh_axes",
         "make_shard_and_gather_fns",
         "match_partition_rules",

@@ -18,6 +18,7 @@ from flax_escale.mesh.creation import (
     create_mesh,
     resolve_axis_dims,
 )
+from flax_escale.mesh.distributed import initialize_distributed
 from flax_escale.mesh.parse import parse_mesh_from_string, parse_mesh_shape
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "get_mesh_axis_names",
     "get_mesh_axis_size",
     "get_submesh_device_index",
+    "initialize_distributed",
     "names_in_current_mesh",
     "parse_mesh_from_string",
     "parse_mesh_shape",
