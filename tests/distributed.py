@@ -87,5 +87,6 @@ def run_processes(
                 f"process {rank} exited with {proc.returncode}\n"
                 f"stdout:\n{out}\nstderr:\n{err[-4000:]}"
             )
-        results.append(json.loads(lines[-1][len(MARKER) :]))
+        # raw_decode: native logging may land on the same line right after the JSON.
+        results.append(json.JSONDecoder().raw_decode(lines[-1][len(MARKER) :])[0])
     return results
