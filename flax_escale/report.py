@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -16,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flax_escale.errors import EscaleError, NoMeshError
+from flax_escale.linen.init import box_annotation
 from flax_escale.mesh.context import get_incontext_mesh
 from flax_escale.nnx.annotate import LOGICAL_AXES
 from flax_escale.resolve.fit import Correction, mesh_axes_of
@@ -199,10 +199,9 @@ def _as_plan(tree: Any, mesh: Mesh | None, rules: RulesLike) -> ShardingPlan:
 
 
 def _annotation(leaf: Any, sharding: Any) -> Annotation | None:
-    if isinstance(leaf, nn.LogicallyPartitioned):
-        return Annotation(tuple(leaf.names), source="nn.LogicallyPartitioned")
-    if isinstance(leaf, nn.Partitioned):
-        return Annotation(mesh_axes=tuple(leaf.names), source="nn.Partitioned")
+    boxed = box_annotation(leaf)
+    if boxed is not None:
+        return boxed
     if isinstance(leaf, nnx.Variable) and leaf.get_metadata().get(LOGICAL_AXES) is not None:
         return Annotation(tuple(leaf.get_metadata(LOGICAL_AXES)), source="logical_axes")
     if isinstance(sharding, NamedSharding):

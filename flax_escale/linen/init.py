@@ -232,16 +232,23 @@ def _plan_items(
     params_axes = abstract.get("params_axes", {})
     items = []
     for path, value, leaf in flat:
-        if isinstance(leaf, nn.LogicallyPartitioned):
-            rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
-            source = sources.get(path, "nn.with_logical_partitioning")
-            annotation = Annotation(tuple(leaf.names), source=source, rules=rules)
-        elif isinstance(leaf, nn.Partitioned):
-            annotation = Annotation(mesh_axes=tuple(leaf.names), source="nn.with_partitioning")
-        else:
+        annotation = box_annotation(leaf, sources.get(path))
+        if annotation is None:
             annotation = _param_with_axes(params_axes, path.split("/"))
         items.append((path, value, annotation))
     return treedef, items
+
+
+def box_annotation(leaf: Any, source: str | None = None) -> Annotation | None:
+    """The annotation a Linen box carries (logical names with its own rules, or mesh axes)."""
+    if isinstance(leaf, nn.LogicallyPartitioned):
+        rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
+        return Annotation(
+            tuple(leaf.names), source=source or "nn.with_logical_partitioning", rules=rules
+        )
+    if isinstance(leaf, nn.Partitioned):
+        return Annotation(mesh_axes=tuple(leaf.names), source="nn.with_partitioning")
+    return None
 
 
 def _param_with_axes(params_axes: Any, keys: list[str]) -> Annotation | None:
