@@ -9,6 +9,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import jax
 
+from flax_escale.axes._aliases import Aliases, merge_aliases
 from flax_escale.errors import EscaleError
 
 __all__ = ["LogicalRules", "MeshAxes", "PartitionAxis"]
@@ -28,6 +29,8 @@ _MESH_FIELDS = (
 )
 # Names that are usually larger than the hidden size: they get the tensor-parallel axis first, so
 # that hidden_state falls back to (fsdp, sp) when it shares an array with one of them.
+# Fields that are not logical names: the mesh-axis names, and the aliases.
+_NOT_LOGICAL = (*_MESH_FIELDS, "aliases")
 _WIDE = ("vocab", "head", "kv_head", "mlp_intermediate", "expert")
 # Logical names that only the generation (decode) rules look up in generation_* fields.
 _GENERATION = (
@@ -145,6 +148,9 @@ class PartitionAxis:
     generation_attention_dim_axis: Any = None
     generation_attention_kv_dim_axis: Any = None
 
+    # Foreign logical names and the library names whose rules they take; see with_aliases().
+    aliases: Aliases = ()
+
     # Fields given explicitly, so that replace() re-derives the others from new mesh-axis names.
     _given: frozenset[str] = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False
@@ -161,7 +167,7 @@ class PartitionAxis:
         defaults = self._derived_defaults()
         given = set()
         for field in dataclasses.fields(self):
-            if not field.init or field.name in _MESH_FIELDS:
+            if not field.init or field.name in _NOT_LOGICAL:
                 continue
             value = getattr(self, field.name)
             if value is ... and field.name in _FOLLOWS:
@@ -207,7 +213,7 @@ class PartitionAxis:
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self) if f.init})
         if unknown:
             raise EscaleError(f"PartitionAxis has no field {unknown[0]!r}.")
-        kept = {name: getattr(self, name) for name in (*_MESH_FIELDS, *self._given)}
+        kept = {name: getattr(self, name) for name in (*_NOT_LOGICAL, *self._given)}
         return PartitionAxis(**{**kept, **changes})
 
     @property
@@ -251,7 +257,53 @@ class PartitionAxis:
             for name in ("hidden_state", *_WIDE)
             if axes[name] is not None and axes[name] != fallback
         ]
-        return tuple(first + rest + fallbacks)
+        rules = first + rest + fallbacks
+        if not self.aliases:
+            return tuple(rules)
+        # Each alias takes its library name's rules at the same places, so the priorities
+        # (and so the specs) are exactly those the library name gets.
+        by_target: dict[str | None, list[str]] = {}
+        for foreign, target in self.aliases:
+            by_target.setdefault(target, []).append(foreign)
+        aliased = [
+            (name, target)
+            for rule_name, target in rules
+            for name in (rule_name, *by_target.get(rule_name, ()))
+        ]
+        return tuple(aliased + [(foreign, None) for foreign in by_target.get(None, ())])
+
+    def with_aliases(self, *vocabularies: str | Mapping[str, str | None]) -> PartitionAxis:
+        """A copy that also knows foreign logical names, each sharded like a library name.
+
+        Models name their axes in the vocabulary of the code they come from. Each vocabulary
+        is a built-in name, ``"t5x"`` (t5x's names, which Flax's lm1b and wmt examples use:
+        ``embed``, ``mlp``, ``heads``, ``kv``, ``joined_kv``, ``length``, ...) or
+        ``"maxtext"`` (``activation_batch``, ``activation_embed``, ``embed``, ``q_heads``,
+        ``kv_heads``, ...), or a mapping ``{foreign name: library name or None}`` (``None``:
+        known and unsharded). In :meth:`logical_axis_rules` every alias gets its library
+        name's rules at the same priority, so ``("embed", "mlp")`` resolves exactly as
+        ``("hidden_state", "mlp_intermediate")``. A later vocabulary's alias of a name wins;
+        the library's own names cannot be redefined (set their fields instead).
+        ``flax_escale.axes.VOCABULARIES`` lists the built-in ones.
+
+        Raises:
+            EscaleError: For an unknown vocabulary, an alias to a name the library does not
+                have, or an alias that redefines a library name.
+            EscaleTypeError: If a vocabulary is neither a name nor a mapping of names.
+
+        Example:
+            >>> from flax_escale import PartitionAxis, logical_to_mesh_axes
+            >>> rules = PartitionAxis().with_aliases("t5x", {"ffn": "mlp_intermediate"})
+            >>> logical_to_mesh_axes(("embed", "mlp"), rules)
+            P(('fsdp', 'sp'), 'tp')
+            >>> logical_to_mesh_axes(("embed", "ffn"), rules)
+            P(('fsdp', 'sp'), 'tp')
+            >>> logical_to_mesh_axes(("batch", "length", "embed"), rules)
+            P(('fsdp', 'dp'), 'sp', 'tp')
+        """
+        native = frozenset(self.logical_axes())
+        merged = merge_aliases(self.aliases, vocabularies, native)
+        return self.replace(aliases=merged)
 
     def logical_axes(self, *, generation: bool = False) -> dict[str, MeshAxes]:
         """Maps each logical name to its mesh axes, for training or generation.
@@ -265,7 +317,7 @@ class PartitionAxis:
             field.name.removesuffix("_axis"): getattr(self, field.name)
             for field in dataclasses.fields(self)
             if field.init
-            and field.name not in _MESH_FIELDS
+            and field.name not in _NOT_LOGICAL
             and not field.name.startswith("generation_")
         }
         if generation:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec
 
 from flax_escale.axes._partition_axis import MeshAxes
 from flax_escale.errors import EscaleError
+from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = ["AxisNames", "standard_logical_axis_rules"]
 
@@ -93,24 +95,34 @@ def standard_logical_axis_rules(
     activation_partitioning_dims: int = 1,
     parameter_partitioning_dims: int = 1,
     additional_rules: Sequence[tuple[str, MeshAxes]] | None = None,
+    *,
+    data_axis: MeshAxes = "data",
+    model_axis: MeshAxes = "model",
 ) -> list[tuple[str, MeshAxes]]:
-    """Returns t5x's standard rules for its logical names over a ``("data", "model")`` mesh.
+    """Returns t5x's standard rules for its logical names, over t5x's ``data`` and ``model``.
 
     Args:
         activation_partitioning_dims: 2 also shards activations' ``embed`` over ``model``.
         parameter_partitioning_dims: 2 also shards parameters' ``embed`` over ``data``.
         additional_rules: Rules appended after the standard ones.
+        data_axis: The mesh axes that play t5x's ``data`` axis, e.g. ``("fsdp", "dp")`` on the
+            library's default mesh.
+        model_axis: The mesh axes that play t5x's ``model`` axis, e.g. ``"tp"``.
 
     Returns:
         The rules, in priority order, as a list of ``(logical name, mesh axes)``.
 
     Raises:
         EscaleError: For dims other than 1 or 2.
+        EscaleTypeError: If ``data_axis`` or ``model_axis`` is not a mesh axis name, a tuple
+            of names or ``None``.
 
     Example:
         >>> from flax_escale.t5x import standard_logical_axis_rules
         >>> standard_logical_axis_rules()[:3]
         [('batch', 'data'), ('vocab', 'model'), ('embed', None)]
+        >>> standard_logical_axis_rules(data_axis=("fsdp", "dp"), model_axis="tp")[:2]
+        [('batch', ('fsdp', 'dp')), ('vocab', 'tp')]
     """
     key = (activation_partitioning_dims, parameter_partitioning_dims)
     if key not in _BY_DIMS:
@@ -119,4 +131,16 @@ def standard_logical_axis_rules(
             f"`parameter_partitioning_dims` = {parameter_partitioning_dims} is not supported: "
             "each must be 1 or 2."
         )
-    return [*_BY_DIMS[key], *_REPLICATED, *(additional_rules or ())]
+    targets = {
+        "data": _mesh_axes("data_axis", data_axis),
+        "model": _mesh_axes("model_axis", model_axis),
+    }
+    standard = [(name, targets.get(target, target)) for name, target in _BY_DIMS[key]]
+    return [*standard, *_REPLICATED, *(additional_rules or ())]
+
+
+def _mesh_axes(argument: str, value: Any) -> MeshAxes:
+    # A single name stays a name, as t5x writes its rules.
+    if value is None or isinstance(value, str):
+        return value
+    return mesh_axes_of(value, argument=f"standard_logical_axis_rules: {argument}")

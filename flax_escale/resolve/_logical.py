@@ -69,7 +69,9 @@ def resolve_logical_axes(
 
     Raises:
         ShardingResolutionError: In strict mode, if something had to be corrected or a logical
-            name has no rule; always, if a name repeats or ``shape`` has another rank.
+            name has no rule; always, if a name repeats or ``shape`` has fewer dimensions than
+            there are names (fewer names than dimensions is Flax's short form: the trailing
+            dimensions are unsharded, and ``padded`` counts them).
         EscaleTypeError: If ``logical_axes`` is a string (pass ``("batch",)``) or has entries
             that are not names, or ``mesh`` is not a mesh.
 
@@ -186,11 +188,16 @@ def _resolve(
             f"logical axes {names}: {repeated[0]!r} names more than one dimension; each logical "
             "name can shard at most one dimension of an array. Give the dimensions distinct names."
         )
-    if shape is not None and len(shape) != len(names):
+    if shape is not None and len(shape) < len(names):
         return (
             f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
             f"{len(shape)}: give one logical name (or None) per dimension."
         )
+    # Fewer names than dimensions is Flax's own short form (DenseGeneral calls its initializer
+    # on the flattened shape, so its annotation names two of the kernel's three dimensions):
+    # as in Flax, the dimensions left unnamed are unsharded.
+    padded = 0 if shape is None else len(shape) - len(names)
+    names = (*names, *(None,) * padded)
     mesh = None if mesh_shape is None else dict(mesh_shape)
     result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
     used: set[str] = set()
@@ -219,7 +226,7 @@ def _resolve(
         spec, corrections = fit_spec(rules_spec, shape, mesh)
         corrections = _unplaced(result, passed, mesh) + corrections
     return Resolution(
-        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown
+        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown, padded
     )
 
 

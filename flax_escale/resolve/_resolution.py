@@ -13,6 +13,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_escale.axes import PartitionAxis
+from flax_escale.axes._aliases import suggest_alias
 from flax_escale.errors import ShardingCorrectionWarning, ShardingResolutionError
 from flax_escale.resolve._fit import Correction
 
@@ -41,7 +42,7 @@ class Resolution:
     """The result of resolving one array's logical axes.
 
     Attributes:
-        logical_axes: The logical axes resolved.
+        logical_axes: The logical axes resolved, one per dimension (see ``padded``).
         spec: The resolved, valid ``PartitionSpec``.
         shape: The array shape, if known.
         mesh_shape: The mesh's ``(axis, size)`` pairs, if known.
@@ -49,6 +50,8 @@ class Resolution:
         corrections: Mesh axes dropped to make the spec valid.
         passed_over: Rules passed over because their axes do not divide the dimension.
         unknown_names: Logical names no rule mentions (left unsharded).
+        padded: Trailing dimensions the logical axes did not name (Flax's short form, as
+            ``nn.DenseGeneral``'s flattened-kernel annotations give): they are unsharded.
     """
 
     logical_axes: tuple[Any, ...] | None
@@ -59,6 +62,7 @@ class Resolution:
     corrections: tuple[Correction, ...] = ()
     passed_over: tuple[PassedOver, ...] = ()
     unknown_names: tuple[str, ...] = ()
+    padded: int = 0
 
     @property
     def ok(self) -> bool:
@@ -75,9 +79,14 @@ class Resolution:
             for c in self.corrections
         ]
         problems += [
-            f"logical name {name!r} has no rule, so it stays unsharded. Add a rule "
-            f"({name!r}, mesh_axes) to rules= (or ({name!r}, None) to replicate on purpose), "
-            f"or use a PartitionAxis name such as {_KNOWN_HINT}."
+            f"logical name {name!r} has no rule, so it stays unsharded. "
+            + (
+                f"{_capitalized(hint)}; or add"
+                if (hint := suggest_alias(name))
+                else f"Use a PartitionAxis name such as {_KNOWN_HINT}, or add"
+            )
+            + f" a rule ({name!r}, mesh_axes) to rules= (({name!r}, None) to replicate on "
+            "purpose)."
             for name in self.unknown_names
         ]
         given = (
@@ -96,6 +105,10 @@ class Resolution:
         if self.logical_axes is None or dim >= len(self.logical_axes):
             return ""
         return f" ({self.logical_axes[dim]})"
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 _FIXES = {

@@ -140,6 +140,10 @@ class ShardingPlan:
                 f"dim {p.dim}: {p.mesh_axes} passed over ({p.size} not divisible)"
                 for p in e.resolution.passed_over
             ]
+            if e.resolution.padded:
+                notes.append(
+                    f"last {e.resolution.padded} dim(s) unnamed, unsharded (Flax's short form)"
+                )
             rows.append((e.path, str(e.shape), given, str(e.spec), "; ".join(notes)))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [
