@@ -7,6 +7,16 @@ declarations are the same for both and live here.
 """
 
 from flax_escale.frontend._declare import DeclaringMixin, Install, declare, record
-from flax_escale.frontend._patterns import AxesPatterns
+from flax_escale.frontend._overrides import Overrides, apply_overrides
+from flax_escale.frontend._patterns import AxesPatterns, unused_pattern_note
 
-__all__ = ["AxesPatterns", "DeclaringMixin", "Install", "declare", "record"]
+__all__ = [
+    "AxesPatterns",
+    "DeclaringMixin",
+    "Install",
+    "Overrides",
+    "apply_overrides",
+    "declare",
+    "record",
+    "unused_pattern_note",
+]

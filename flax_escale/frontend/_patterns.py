@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from flax_escale.errors import EscaleError, EscaleTypeError
 
-__all__ = ["AxesPatterns"]
+__all__ = ["AxesPatterns", "unused_pattern_note"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +117,23 @@ class AxesPatterns:
                 f"instead of {len(shape)}. Give one logical name per dimension ({stack_hint})."
             )
         return found
+
+
+def unused_pattern_note(owner: str, pattern: str, kept: Sequence[str], unmatched: str) -> str:
+    """Why a declared pattern annotated nothing, and what to do about it.
+
+    Args:
+        owner: Who declared the pattern.
+        pattern: The pattern.
+        kept: Paths it matched that keep the annotation the model gives them.
+        unmatched: What to say when it matched nothing at all.
+    """
+    if not kept:
+        return f"{owner}: pattern {pattern!r} {unmatched} Fix the pattern or remove it."
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return (
+        f"{owner}: pattern {pattern!r} matched {shown}, which keep the annotations the model "
+        "gives them, so it changed nothing. To replace a model's own annotation, pass "
+        f"overrides={{{pattern!r}: logical_axes}} to init_sharded / plan_sharding; otherwise "
+        "remove the pattern."
+    )

@@ -20,7 +20,13 @@ import flax.linen as nn
 from flax.core import meta
 
 from flax_escale.errors import EscaleTypeError
-from flax_escale.frontend import AxesPatterns, DeclaringMixin, declare, record
+from flax_escale.frontend import (
+    AxesPatterns,
+    DeclaringMixin,
+    declare,
+    record,
+    unused_pattern_note,
+)
 
 __all__ = ["ShardedMixin", "annotating", "sharded_module"]
 
@@ -41,13 +47,16 @@ class Annotator:
     Attributes:
         owners: Decorated modules seen, by path.
         sources: For each annotated parameter path, the class and pattern that annotated it.
-        matched: ``(owner, pattern)`` pairs that matched at least one parameter.
+        matched: ``(owner, pattern)`` pairs that annotated at least one parameter.
+        kept: For each ``(owner, pattern)``, the parameters it matched that keep the
+            annotation the model gives them.
     """
 
     def __init__(self) -> None:
         self.owners: dict[tuple[str, ...], AxesPatterns] = {}
         self.sources: dict[str, str] = {}
         self.matched: set[tuple[str, str]] = set()
+        self.kept: dict[tuple[str, str], list[str]] = {}
 
     def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
@@ -65,9 +74,17 @@ class Annotator:
         variables = module.variables
         axes_metadata = variables.get("params_axes", {})
         for name, value in variables.get("params", {}).items():
-            if isinstance(value, (Mapping, meta.AxisMetadata)) or f"{name}_axes" in axes_metadata:
+            if isinstance(value, Mapping):
                 continue
             full = (*path, name)
+            if isinstance(value, meta.AxisMetadata) or f"{name}_axes" in axes_metadata:
+                # Annotated by the model itself: it keeps that annotation (overrides= replaces
+                # it), and a pattern that matches it is told so rather than "matched nothing".
+                owned = self._owner(full)
+                if owned is not None and (found := owned[1].match("/".join(full[owned[0] :]))):
+                    where = "params/" + "/".join(full)
+                    self.kept.setdefault((owned[1].owner, found[0]), []).append(where)
+                continue
             found = self._lookup(full, value.shape)
             if found is None:
                 continue
@@ -79,15 +96,21 @@ class Annotator:
     def _lookup(
         self, full: tuple[str, ...], shape: tuple[int, ...]
     ) -> tuple[str, str, tuple[str | None, ...]] | None:
+        owned = self._owner(full)
+        if owned is None:
+            return None
+        depth, patterns = owned
+        found = patterns.match_array(
+            "/".join(full[depth:]), shape, shown_path="/".join(full), stack_hint=_STACK_HINT
+        )
+        return None if found is None else (patterns.owner, *found)
+
+    def _owner(self, full: tuple[str, ...]) -> tuple[int, AxesPatterns] | None:
+        # The innermost declaring module whose patterns match the path, and its depth.
         for depth in range(len(full) - 1, -1, -1):
             patterns = self.owners.get(full[:depth])
-            if patterns is None:
-                continue
-            found = patterns.match_array(
-                "/".join(full[depth:]), shape, shown_path="/".join(full), stack_hint=_STACK_HINT
-            )
-            if found is not None:
-                return patterns.owner, *found
+            if patterns is not None and patterns.match("/".join(full[depth:])) is not None:
+                return depth, patterns
         return None
 
     def unused(self) -> list[str]:
@@ -96,8 +119,12 @@ class Annotator:
         for patterns in self.owners.values():
             seen.setdefault(patterns.owner, patterns)
         return [
-            f"{owner}: pattern {pattern!r} matched no parameter (its annotated parameters: "
-            f"{self._params_of(owner)}). Fix the pattern or remove it."
+            unused_pattern_note(
+                owner,
+                pattern,
+                self.kept.get((owner, pattern), []),
+                f"matched no parameter (its annotated parameters: {self._params_of(owner)}).",
+            )
             for owner, patterns in seen.items()
             for pattern in patterns.patterns
             if (owner, pattern) not in self.matched

@@ -20,7 +20,13 @@ from typing import Any
 from flax import nnx
 
 from flax_escale.errors import EscaleTypeError
-from flax_escale.frontend import AxesPatterns, DeclaringMixin, declare, record
+from flax_escale.frontend import (
+    AxesPatterns,
+    DeclaringMixin,
+    declare,
+    record,
+    unused_pattern_note,
+)
 from flax_escale.sharding._annotation import LOGICAL_AXES
 
 __all__ = ["LOGICAL_AXES", "ShardedMixin", "collecting_unused", "sharded_module", "stacked"]
@@ -65,25 +71,34 @@ def collecting_unused() -> Iterator[list[str]]:
 def _annotate(module: nnx.Module) -> None:
     patterns: AxesPatterns = getattr(type(module), _PATTERNS)
     matched = set()
+    kept: dict[str, list[str]] = {}
     for path, node in nnx.iter_graph(module):
         if not isinstance(node, nnx.Variable):
             continue
         key = "/".join(str(k) for k in path)
-        found = patterns.match(key)
-        if found is not None:
-            matched.add(found[0])
         metadata = node.get_metadata()
-        if metadata.get(LOGICAL_AXES) is not None or metadata.get("out_sharding"):
+        if metadata.get(LOGICAL_AXES) is not None:
+            # An inner decorated module annotated it: the pattern agrees with a declaration.
+            if (found := patterns.match(key)) is not None:
+                matched.add(found[0])
+            continue
+        if metadata.get("out_sharding"):
+            # The model's own annotation, which it keeps (overrides= replaces it).
+            if (found := patterns.match(key)) is not None:
+                kept.setdefault(found[0], []).append(key)
             continue
         found = patterns.match_array(
             key, getattr(node, "shape", ()), shown_path=key, stack_hint=_STACK_HINT
         )
         if found is not None:
+            matched.add(found[0])
             node.set_metadata(LOGICAL_AXES, found[1])
     notes = getattr(_state, "notes", None)
     if notes is not None:
         notes.extend(
-            f"{patterns.owner}: pattern {pattern!r} matched no variable. Fix it or remove it."
+            unused_pattern_note(
+                patterns.owner, pattern, kept.get(pattern, []), "matched no variable."
+            )
             for pattern in patterns.patterns
             if pattern not in matched
         )

@@ -1,0 +1,61 @@
+"""Overrides: logical axes given at ``init_sharded`` for variables the model annotates itself.
+
+A model one did not write carries annotations in its own files; ``overrides=`` corrects them
+without editing those files. Its patterns match whole trailing components of a variable's path
+in the plan (``"Dense_0/kernel"``, ``"blocks/0/.*/kernel"``), and win over every annotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flax_escale.frontend._patterns import AxesPatterns
+from flax_escale.sharding import Annotation
+
+__all__ = ["Overrides", "apply_overrides"]
+
+Overrides = Mapping[str, Sequence[str | None]]
+"""``{path pattern: logical axes}``, one logical name (or ``None``) per dimension."""
+
+_STACK_HINT = "a layer stack's arrays have the stacked dimension too: name it, e.g. 'layers'"
+
+
+def apply_overrides(
+    items: Sequence[tuple[str, Any, Annotation | None]], overrides: Overrides | None
+) -> tuple[list[tuple[str, Any, Annotation | None]], list[str]]:
+    """``items`` with the annotation of every variable an override matches replaced.
+
+    Args:
+        items: ``(path, abstract array, annotation)`` per variable, as the plan takes them.
+        overrides: ``{path pattern: logical axes}``, or ``None``.
+
+    Returns:
+        The items, and a note for every pattern that matched no variable.
+
+    Raises:
+        EscaleTypeError: If ``overrides`` is not a mapping of patterns to logical axes.
+        EscaleError: If a matched variable has another rank than its override names.
+    """
+    if overrides is None:
+        return list(items), []
+    patterns = AxesPatterns.compile("overrides", overrides)
+    used: set[str] = set()
+    replaced = []
+    for path, leaf, annotation in items:
+        found = None
+        # Optimizer state follows its parameter, overridden or not.
+        if annotation is None or annotation.follows is None:
+            found = patterns.match_array(path, leaf.shape, shown_path=path, stack_hint=_STACK_HINT)
+        if found is not None:
+            used.add(found[0])
+            annotation = Annotation(logical_axes=found[1], source=f"overrides[{found[0]!r}]")
+        replaced.append((path, leaf, annotation))
+    paths = ", ".join(path for path, _, _ in items[:6]) + (", ..." if len(items) > 6 else "")
+    notes = [
+        f"overrides: pattern {pattern!r} matched no variable (the variables' paths are like "
+        f"{paths}). Fix the pattern or remove it."
+        for pattern in patterns.patterns
+        if pattern not in used
+    ]
+    return replaced, notes
