@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 from flax_escale.axes import PartitionAxis
 from flax_escale.axes._aliases import suggest_alias
 from flax_escale.errors import ShardingCorrectionWarning, ShardingResolutionError
+from flax_escale.resolve._complete import Completion
 from flax_escale.resolve._fit import Correction
 
 __all__ = ["PassedOver", "Resolution", "enforce"]
@@ -52,6 +53,8 @@ class Resolution:
         unknown_names: Logical names no rule mentions (left unsharded).
         padded: Trailing dimensions the logical axes did not name (Flax's short form, as
             ``nn.DenseGeneral``'s flattened-kernel annotations give): they are unsharded.
+        completed: Idle mesh axes put to use on a parameter after the rules (see
+            :func:`~flax_escale.resolve.complete_spec`); ``spec`` includes them.
     """
 
     logical_axes: tuple[Any, ...] | None
@@ -63,6 +66,7 @@ class Resolution:
     passed_over: tuple[PassedOver, ...] = ()
     unknown_names: tuple[str, ...] = ()
     padded: int = 0
+    completed: tuple[Completion, ...] = ()
 
     @property
     def ok(self) -> bool:

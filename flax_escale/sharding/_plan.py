@@ -20,16 +20,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.resolve import (
+    Completion,
     Resolution,
     RulesLike,
     as_logical_rules,
+    complete_spec,
     resolve_logical_axes,
     resolve_mesh_axes,
 )
 from flax_escale.resolve._fit import Correction, mesh_axes_of
 from flax_escale.sharding._annotation import Annotation
 
-__all__ = ["PlanEntry", "ShardingPlan", "build_plan", "format_bytes"]
+__all__ = ["IDLE_AXES_MIN_BYTES", "PlanEntry", "ShardingPlan", "build_plan", "format_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,11 @@ class ShardingPlan:
         return tuple((e.path, c) for e in self.entries for c in e.resolution.corrections)
 
     @property
+    def completions(self) -> tuple[tuple[str, Completion], ...]:
+        """Every ``(path, completion)``: an idle mesh axis put to use on a large parameter."""
+        return tuple((e.path, c) for e in self.entries for c in e.resolution.completed)
+
+    @property
     def unannotated(self) -> tuple[str, ...]:
         """Paths of arrays with no annotation (they are replicated)."""
         return tuple(e.path for e in self.entries if e.annotation is None)
@@ -140,6 +147,7 @@ class ShardingPlan:
                 f"dim {p.dim}: {p.mesh_axes} passed over ({p.size} not divisible)"
                 for p in e.resolution.passed_over
             ]
+            notes += [c.detail for c in e.resolution.completed]
             if e.resolution.padded:
                 notes.append(
                     f"last {e.resolution.padded} dim(s) unnamed, unsharded (Flax's short form)"
@@ -155,7 +163,8 @@ class ShardingPlan:
             f"{len(self.entries)} arrays on mesh ({mesh}): {format_bytes(self.nbytes)} in all, "
             f"{format_bytes(self.nbytes_per_device)} per device; "
             f"{len(self.corrections)} corrections, "
-            f"{len(self.unannotated)} unannotated"
+            + (f"{len(self.completions)} idle axes put to use, " if self.completions else "")
+            + f"{len(self.unannotated)} unannotated"
         )
         return "\n".join([*(line.rstrip() for line in lines), footer, *self.notes])
 
@@ -176,6 +185,7 @@ def build_plan(
     rules: RulesLike = None,
     strict: bool = False,
     notes: Sequence[str] = (),
+    use_idle_axes: bool = False,
 ) -> ShardingPlan:
     """Resolves every array's annotation with the one resolver, shape-aware on ``mesh``.
 
@@ -186,6 +196,10 @@ def build_plan(
         rules: Rules for logical annotations that carry none themselves.
         strict: Raise at the first correction, unknown logical name or note, instead of warning.
         notes: Problems that concern no single array (strict mode raises on them too).
+        use_idle_axes: Complete every variable of at least :data:`IDLE_AXES_MIN_BYTES` with
+            the mesh axes the plan's variables are split over somewhere but it is not (see
+            :func:`~flax_escale.resolve.complete_spec`); optimizer state follows its
+            completed parameter.
 
     Returns:
         The plan.
@@ -198,7 +212,15 @@ def build_plan(
     frozen = as_logical_rules(rules)
     resolved: dict[str, Resolution] = {}
     # Parameters first: optimizer state that follows one takes the spec it resolved to.
-    for path, leaf, annotation in sorted(items, key=lambda item: _follows(item[2]) is not None):
+    leading = [item for item in items if _follows(item[2]) is None]
+    following = [item for item in items if _follows(item[2]) is not None]
+    for path, leaf, annotation in leading:
+        resolved[path] = _resolve(
+            path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
+        )
+    if use_idle_axes:
+        _complete(resolved, leading, mesh)
+    for path, leaf, annotation in following:
         resolved[path] = _resolve(
             path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
         )
@@ -216,6 +238,34 @@ def build_plan(
             stacklevel=3,
         )
     return ShardingPlan(mesh, tuple(entries), treedef, tuple(notes))
+
+
+IDLE_AXES_MIN_BYTES = 1 << 20
+"""Variables smaller than this keep the rules' spec: splitting them saves little and costs
+collectives."""
+STACKED_NAMES = frozenset({"layers", "stack"})
+"""Logical names of a layer stack's dimension (``nn.scan``'s ``PARTITION_NAME``, t5x's
+``stack``), which completion never splits."""
+
+
+def _complete(
+    resolved: dict[str, Resolution],
+    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
+    mesh: Mesh,
+) -> None:
+    # An axis the rules split some variable over is a parameter axis; one they split none over
+    # (data parallelism) stays a replica axis.
+    used = {a for r in resolved.values() for entry in r.spec for a in mesh_axes_of(entry)}
+    axes = [a for a in mesh.axis_names if a in used]
+    for path, leaf, _ in items:
+        if math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize < IDLE_AXES_MIN_BYTES:
+            continue
+        resolution = resolved[path]
+        names = resolution.logical_axes or ()
+        keep = [dim for dim, name in enumerate(names) if name in STACKED_NAMES]
+        spec, added = complete_spec(resolution.spec, tuple(leaf.shape), mesh.shape, axes, keep=keep)
+        if added:
+            resolved[path] = dataclasses.replace(resolution, spec=spec, completed=added)
 
 
 def _follows(annotation: Annotation | None) -> tuple[str, tuple[int, ...]] | None:
