@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from flax_escale.errors import EscaleError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import peer_loss_as_mesh_error
 from flax_escale.sharding._paths import is_box
 
@@ -46,8 +47,12 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
 
     Raises:
         EscaleError: If ``directory`` exists and ``force`` is false.
+        EscaleTypeError: If ``directory`` is not a path, ``tree`` holds no array, or ``force``
+            is not a bool.
     """
-    path = os.fspath(os.path.abspath(directory))
+    path = os.path.abspath(check.path(directory, "directory"))
+    check.tree_of_arrays(tree, "tree")
+    force = check.flag(force, "force")
     _sync("flax_escale_save_start")  # every process has checked what is there before it changes
     if jax.process_index() == 0:
         _recover(path)
@@ -80,8 +85,9 @@ def restore_checkpoint(
             ``jax.ShapeDtypeStruct`` carrying the shardings to restore into (for example the
             state ``init_train_state`` or ``nnx.state(init_sharded(...))`` gives on the new mesh,
             or ``jax.eval_shape`` of it with shardings).
-        shardings: A tree of ``NamedSharding`` (for example ``plan.shardings()`` of a
-            ``ShardingPlan``) that replaces the target's own shardings.
+        shardings: A tree of ``NamedSharding`` shaped like ``target`` (for example
+            ``plan.shardings()`` of a ``ShardingPlan``), or one ``NamedSharding`` for every
+            leaf, that replaces the target's own shardings.
         cast: Convert saved arrays whose dtype differs from the target's (float32 into
             bfloat16, say); without it such a leaf is an error.
 
@@ -91,7 +97,9 @@ def restore_checkpoint(
     Raises:
         EscaleError: If there is no complete checkpoint at ``directory``, the target's
             structure, shapes or (without ``cast``) dtypes differ from the saved ones, or a
-            target leaf has no sharding.
+            target leaf has no sharding, or ``shardings`` is not shaped like ``target``.
+        EscaleTypeError: If ``directory`` is not a path, ``target`` holds no array, a
+            ``shardings`` leaf is not a ``NamedSharding``, or ``cast`` is not a bool.
 
     Example:
         >>> import os
@@ -112,14 +120,12 @@ def restore_checkpoint(
         >>> restored.sharding.spec, bool((restored == w).all())
         (P(None, 'tp'), True)
     """
-    path = _readable_checkpoint(os.fspath(os.path.abspath(directory)))
+    path = os.path.abspath(check.path(directory, "directory"))
+    check.tree_of_arrays(target, "target")
+    cast = check.flag(cast, "cast")
     if shardings is not None:
-        target = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            target,
-            shardings,
-            is_leaf=is_box,
-        )
+        target = _with_shardings(target, shardings)
+    path = _readable_checkpoint(path)
     abstract = jax.tree.map(_abstract, target)
     checkpointer = ocp.StandardCheckpointer()
     try:
@@ -134,6 +140,23 @@ def restore_checkpoint(
         raise
     except Exception as err:  # orbax and tensorstore raise bare exceptions
         raise EscaleError(_damaged(path, err)) from None
+
+
+def _with_shardings(target: Any, shardings: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(target, is_leaf=is_box)
+    if isinstance(shardings, NamedSharding):
+        given = [shardings] * len(leaves)
+    else:
+        given = check.structure_like(shardings, target, "shardings", "target", is_leaf=is_box)
+    for sharding in given:
+        if not isinstance(sharding, NamedSharding):
+            check.named_sharding(sharding, "shardings")
+    return treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            for leaf, sharding in zip(leaves, given, strict=True)
+        ]
+    )
 
 
 _TMP = ".flax-escale-tmp"  # the new checkpoint while it is written

@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve import LogicalAxes, RulesLike, enforce, resolve_logical_axes
 
 __all__ = ["batch_sharding", "global_to_host_local", "host_local_to_global", "process_batch_slice"]
@@ -52,7 +53,8 @@ def batch_sharding(
     Raises:
         ShardingResolutionError: With ``strict``, if a dimension could not be sharded as the
             rules say; always, for more logical names than dimensions.
-        EscaleTypeError: If ``logical_axes`` is a string rather than a sequence of names.
+        EscaleTypeError: If ``logical_axes`` is a string rather than a sequence of names,
+            ``mesh`` is not a mesh, or ``shape`` is not a tuple of ints.
 
     Example:
         >>> from flax_escale import batch_sharding, create_mesh
@@ -68,6 +70,8 @@ def batch_sharding(
             f"batch_sharding: logical_axes must be a sequence of names, one per dimension, got "
             f"the string {logical_axes!r}; write ({logical_axes!r},)."
         )
+    mesh = check.mesh(mesh)
+    shape = check.shape(shape, "shape")
     names = tuple(logical_axes) if logical_axes is not None else BATCH_AXES[: len(shape)]
     names = names + (None,) * (len(shape) - len(names))
     resolution = resolve_logical_axes(names, rules, shape=shape, mesh=mesh, strict=strict)
@@ -88,6 +92,8 @@ def process_batch_slice(
         EscaleError: If those rows are not one contiguous range (the mesh interleaves processes
             along the batch axes), so that a loader cannot read them as one slice, or if the
             process has no devices in the mesh.
+        EscaleTypeError: If ``sharding`` is not a ``NamedSharding`` (a bare ``PartitionSpec``
+            has no mesh), or ``global_shape`` is not a tuple of ints.
 
     Example:
         >>> from flax_escale import batch_sharding, create_mesh, process_batch_slice
@@ -95,7 +101,17 @@ def process_batch_slice(
         >>> process_batch_slice(batch_sharding(mesh, (16, 4)), (16, 4))  # one process: all rows
         slice(0, 16, None)
     """
-    process = jax.process_index() if process_index is None else process_index
+    sharding = check.named_sharding(sharding, "sharding")
+    global_shape = check.shape(global_shape, "global_shape")
+    if not global_shape:
+        raise EscaleError(
+            "global_shape must have a batch dimension, got (); pass the global batch's shape, "
+            "e.g. (16, 128)."
+        )
+    if process_index is None:
+        process = jax.process_index()
+    else:
+        process = check.non_negative_int(process_index, "process_index")
     rows = set()
     for device, index in sharding.devices_indices_map(tuple(global_shape)).items():
         if device.process_index == process:
@@ -120,6 +136,11 @@ def host_local_to_global(local: Any, sharding: NamedSharding, global_shape: tupl
 
     The rows are those :func:`process_batch_slice` names; ``local`` may be a tree of them.
 
+    Raises:
+        EscaleError: If the rows' shape does not fit ``global_shape`` under ``sharding``.
+        EscaleTypeError: If ``local`` holds no array, ``sharding`` is not a ``NamedSharding``
+            or ``global_shape`` is not a tuple of ints.
+
     Example:
         >>> import numpy as np
         >>> from flax_escale import batch_sharding, create_mesh, host_local_to_global
@@ -129,14 +150,35 @@ def host_local_to_global(local: Any, sharding: NamedSharding, global_shape: tupl
         >>> batch.shape, batch.sharding.spec
         ((16, 4), P(('fsdp', 'dp'), 'sp'))
     """
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape),
-        local,
-    )
+    check.tree_of_arrays(local, "local")
+    sharding = check.named_sharding(sharding, "sharding")
+    global_shape = check.shape(global_shape, "global_shape")
+
+    def to_global(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        if x.ndim != len(global_shape):
+            raise EscaleError(
+                f"host_local_to_global: local rows of shape {x.shape} do not fit global_shape "
+                f"{global_shape}: the ranks differ; pass the global batch's full shape."
+            )
+        try:
+            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+        except ValueError as error:
+            raise EscaleError(
+                f"host_local_to_global: local rows of shape {x.shape} do not fit global_shape "
+                f"{global_shape} under {sharding.spec} on mesh {dict(sharding.mesh.shape)} "
+                f"({str(error).splitlines()[0]}); load the rows process_batch_slice names, "
+                "and pass the global batch's shape."
+            ) from None
+
+    return jax.tree.map(to_global, local)
 
 
 def global_to_host_local(array: jax.Array) -> np.ndarray:
     """The rows of a global batch that this process holds, as a host ``numpy`` array.
+
+    Raises:
+        EscaleTypeError: If ``array`` is not a ``jax.Array`` (a numpy array is already local).
 
     Example:
         >>> import numpy as np
@@ -148,7 +190,7 @@ def global_to_host_local(array: jax.Array) -> np.ndarray:
         >>> global_to_host_local(batch).shape
         (16, 4)
     """
-    sharding = array.sharding
+    sharding = check.array(array, "array").sharding
     if not isinstance(sharding, NamedSharding):
         raise EscaleError(f"global_to_host_local needs a NamedSharding, got {sharding!r}.")
     spec = PartitionSpec(*sharding.spec)

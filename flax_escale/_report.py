@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from rich.console import Console
 from rich.table import Table
 
-from flax_escale.errors import EscaleError, NoMeshError
+from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
 from flax_escale.resolve import RulesLike
@@ -133,6 +133,8 @@ def sharding_report(
 
     Raises:
         NoMeshError: If no mesh is given, carried by the arrays, or set.
+        EscaleTypeError: If ``tree`` holds no array, ``mesh`` is not a mesh, ``console`` is
+            not a console or ``show`` not a bool.
 
     Example:
         >>> import jax
@@ -146,6 +148,12 @@ def sharding_report(
         >>> report.total_bytes, report.max_device_bytes, report.balance_score
         (128, 16, 1.0)
     """
+    show = check.flag(show, "show")
+    if console is not None and not callable(getattr(console, "print", None)):
+        raise EscaleTypeError(
+            f"console must be a rich.console.Console, got {check.describe(console)}; pass "
+            "rich.console.Console() (or Console(file=...) to print elsewhere), or None."
+        )
     plan = _as_plan(tree, mesh, rules)
     abstract = plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan])
     analysis = analyze_sharding_strategy(abstract, plan.specs(), plan.mesh)
@@ -209,6 +217,9 @@ def check_sharded(
     Raises:
         UnshardedParameterError: Listing the largest offenders, their spec and bytes per device,
             and the axes (and a spec) they could use.
+        EscaleTypeError: For ``tree`` or ``mesh`` as :func:`sharding_report` refuses them, or
+            ``min_bytes``, ``top`` not an int or ``tolerance`` not a number (``EscaleError``
+            when negative).
 
     Example:
         >>> import jax
@@ -223,6 +234,9 @@ def check_sharded(
         ...
         flax_escale._report.UnshardedParameterError: 1 large array(s) ...
     """
+    min_bytes = check.non_negative_int(min_bytes, "min_bytes")
+    tolerance = check.non_negative_number(tolerance, "tolerance")
+    top = check.positive_int(top, "top")
     plan = _as_plan(tree, mesh, rules)
     sizes = dict(plan.mesh.shape)
     offenders = []
@@ -310,6 +324,10 @@ def will_it_fit(
     Returns:
         A :class:`MemoryEstimate`.
 
+    Raises:
+        EscaleTypeError: If ``fn`` is not a function (a name, say) or ``device_bytes`` is not a
+            positive int (``EscaleError`` for one below 1).
+
     Example:
         >>> import jax
         >>> import numpy as np
@@ -324,6 +342,8 @@ def will_it_fit(
     """
     if not isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
         check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
+    if device_bytes is not None:
+        device_bytes = check.positive_int(device_bytes, "device_bytes")
     if isinstance(fn, jax.stages.Compiled):
         compiled = fn
     elif isinstance(fn, jax.stages.Lowered):

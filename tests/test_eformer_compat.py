@@ -290,7 +290,7 @@ def test_auto_partition_spec_signature():
         assert escale.auto_partition_spec(jax.ShapeDtypeStruct((64, 256), "f4")) == P(
             ("fsdp", "dp"), "tp"
         )
-    with pytest.raises(TypeError, match=r"expected an array \(anything with a shape\), got list"):
+    with pytest.raises(TypeError, match=r"x must be an array \(anything with a shape\), got list"):
         escale.auto_partition_spec([1, 2, 3], mesh)
     with pytest.raises(ValueError, match=r"axes: 'model' is not an axis of the mesh"):
         escale.auto_partition_spec(x, mesh, names=["model"])
@@ -372,7 +372,7 @@ def test_partition_manager_resolves_and_shards():
         (lambda m: m.resolve(["batch"], mode="serve"), ValueError, r"unknown mode 'serve'"),
         (lambda m: m.resolve(["batch"], mode=0), ValueError, r"mode=0 reads the size of dim"),
         (lambda m: m.resolve([("fsdp", "sp")]), TypeError, r"one logical name or None, got tup"),
-        (lambda m: escale.PartitionManager("tp"), TypeError, r"needs a PartitionAxis, got str"),
+        (lambda m: escale.PartitionManager("tp"), TypeError, r"must be a PartitionAxis, got str"),
     ],
 )
 def test_partition_manager_errors(call, error, match):

@@ -46,7 +46,7 @@ def test_one_process_has_nothing_to_compare(devices):
 def test_arguments_are_checked(devices):
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.raises(
-        fe.EscaleTypeError, match=r"expected a jax\.sharding\.Mesh, got AbstractMesh"
+        fe.EscaleTypeError, match=r"mesh must be a concrete jax\.sharding\.Mesh, got AbstractMesh"
     ):
         assert_same_mesh(mesh.abstract_mesh)
     with pytest.raises(fe.MeshError, match="timeout must be positive seconds, got 0"):

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleTypeError, NoMeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh as _current_mesh
 from flax_escale.resolve._fit import mesh_axes_of
 from flax_escale.sharding import auto_partition_spec as _auto_partition_spec
@@ -42,6 +43,7 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
 
     Raises:
         NoMeshError: If no mesh is set and ``raise_error`` is true.
+        EscaleTypeError: If ``raise_error`` is not a bool.
 
     Example:
         >>> import jax
@@ -53,6 +55,7 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
         ...     escale.get_incontext_mesh() is mesh
         True
     """
+    raise_error = check.flag(raise_error, "raise_error")
     try:
         return _current_mesh()
     except NoMeshError:
@@ -86,6 +89,8 @@ def match_partition_rules(
 
     Raises:
         PartitionRuleError: For an array no rule matches (a ``ValueError``, as in eformer).
+        EscaleTypeError: For malformed ``rules`` or ``tree`` (see
+            :func:`flax_escale.sharding.match_partition_rules`), or ``strict`` not a bool.
 
     Example:
         >>> import numpy as np
@@ -98,6 +103,7 @@ def match_partition_rules(
         >>> escale.match_partition_rules(rules, tree, min_size=None, strict=False)["w"]
         P('fsdp', 'tp')
     """
+    strict = check.flag(strict, "strict")
     return _match_partition_rules(rules, tree, min_size=min_size if strict else 0, strict=True)
 
 
@@ -157,7 +163,9 @@ def auto_partition_spec(
         The ``PartitionSpec``.
 
     Raises:
-        EscaleTypeError: If ``x`` has no shape (eformer raises ``TypeError`` too).
+        EscaleTypeError: If ``x`` has no shape (eformer raises ``TypeError`` too), ``mesh`` is
+            not a mesh, ``names`` is a string rather than a sequence of names, or
+            ``min_sharding_size`` is not an int.
         NoMeshError: If ``mesh`` is omitted and no mesh is set.
         MeshError: If ``names`` names an axis the mesh lacks.
 
@@ -175,12 +183,17 @@ def auto_partition_spec(
     shape = getattr(x, "shape", None)
     if shape is None:
         raise EscaleTypeError(
-            f"auto_partition_spec: expected an array (anything with a shape), got "
-            f"{type(x).__name__}."
+            f"auto_partition_spec: x must be an array (anything with a shape), got "
+            f"{check.describe(x)}; pass the array, or jax.ShapeDtypeStruct(shape, dtype)."
         )
     shape = tuple(shape)
+    mesh = check.optional_mesh(mesh)
     mesh = _current_mesh() if mesh is None else mesh
+    if min_sharding_size is not None:
+        min_sharding_size = check.non_negative_int(min_sharding_size, "min_sharding_size")
     axes = None
+    if names is not None:
+        names = check.sequence(names, "names", "mesh axis names", "('fsdp', 'tp')")
     if names:  # eformer reads an empty list as "every axis", like None
         axes = tuple(a for name in names for a in mesh_axes_of(name, argument="names entry"))
     spec = _auto_partition_spec(

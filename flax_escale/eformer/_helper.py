@@ -9,6 +9,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve._fit import mesh_axes_of
 from flax_escale.sharding import MeshPartitionHelper as _MeshPartitionHelper
 
@@ -59,7 +60,8 @@ class MeshPartitionHelper(_MeshPartitionHelper):
 
         Raises:
             EscaleError: If a method names an axis the mesh lacks.
-            EscaleTypeError: If ``methods`` is not a list of methods.
+            EscaleTypeError: If ``methods`` is not a list of methods, or ``array_shape`` is not
+                a tuple of ints.
 
         Example:
             >>> from flax_escale import eformer as escale
@@ -74,7 +76,7 @@ class MeshPartitionHelper(_MeshPartitionHelper):
                 f"methods must be a list of sharding methods (tuples of mesh axes), got "
                 f"{type(methods).__name__} {methods!r}."
             )
-        shape = tuple(array_shape)
+        shape = check.shape(array_shape, "array_shape")
         entries: list[tuple[str, ...]] = [() for _ in shape]
         used: set[str] = set()
         for position, method in enumerate(methods):

@@ -10,6 +10,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale.axes import LogicalRules, PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve import logical_to_mesh_axes
 from flax_escale.sharding import constrain
 
@@ -86,9 +87,7 @@ class PartitionManager:
 
     def __post_init__(self) -> None:
         if not isinstance(self.paxis, PartitionAxis):
-            raise EscaleTypeError(
-                f"PartitionManager needs a PartitionAxis, got {type(self.paxis).__name__}."
-            )
+            check.instance(self.paxis, PartitionAxis, "paxis", "PartitionAxis()")
 
     def resolve(
         self,
@@ -112,6 +111,7 @@ class PartitionManager:
         Raises:
             EscaleError: For a name outside the vocabulary, an unknown mode, or a dimension
                 index without ``shape``.
+            EscaleTypeError: If ``axes`` is a string rather than a sequence of names.
         """
         rules = self._rules(mode, shape)
         return logical_to_mesh_axes(self._names(axes), rules, shape=shape, mesh=mesh)
@@ -159,7 +159,7 @@ class PartitionManager:
     def _names(self, axes: Sequence[str | None]) -> tuple[str | None, ...]:
         known = self.paxis.logical_axes()
         names = []
-        for axis in axes:
+        for axis in check.sequence(axes, "axes", "logical axis names", "('batch', None)"):
             if axis is not None and not isinstance(axis, str):
                 raise EscaleTypeError(
                     f"PartitionManager: each axis is one logical name or None, got "

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from flax_escale._compat import coordination_client
 from flax_escale.errors import EscaleTypeError, MeshError
+from flax_escale.mesh._validate import describe
 
 __all__ = ["assert_same_mesh"]
 
@@ -61,7 +62,8 @@ def assert_same_mesh(mesh: Mesh, *, timeout: float = 60.0) -> None:
             says which processes built which mesh); if a process did not publish its mesh
             within ``timeout`` (it may have crashed or not reached the same call); or if
             ``jax.distributed`` is not initialized although there are several processes.
-        EscaleTypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
+        EscaleTypeError: If ``mesh`` is not a ``jax.sharding.Mesh`` or ``timeout`` not a
+            number.
 
     Example:
         >>> from flax_escale import create_mesh
@@ -70,8 +72,14 @@ def assert_same_mesh(mesh: Mesh, *, timeout: float = 60.0) -> None:
     """
     if not isinstance(mesh, Mesh):
         raise EscaleTypeError(
-            f"assert_same_mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}; pass "
-            "the concrete mesh (for example from create_mesh), not an abstract one."
+            f"assert_same_mesh: mesh must be a concrete jax.sharding.Mesh, got "
+            f"{describe(mesh)}; pass the mesh itself (for example from create_mesh), not an "
+            "abstract one or its description."
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise EscaleTypeError(
+            f"assert_same_mesh: timeout must be a number of seconds, got "
+            f"{type(timeout).__name__} {timeout!r}; pass e.g. 60."
         )
     if not timeout > 0:
         raise MeshError(f"assert_same_mesh: timeout must be positive seconds, got {timeout!r}.")

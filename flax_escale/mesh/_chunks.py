@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import MeshAxisNames, mesh_axes_of
 
 __all__ = ["LocalChunkInfo", "LocalChunker", "process_blocks"]
@@ -117,11 +118,14 @@ class LocalChunker:
         """
         if not isinstance(global_mesh, Mesh):
             raise EscaleTypeError(
-                f"LocalChunker needs a jax.sharding.Mesh with devices, got "
-                f"{type(global_mesh).__name__} {global_mesh!r}."
+                f"LocalChunker needs a jax.sharding.Mesh with devices as global_mesh, got "
+                f"{check.describe(global_mesh)}; pass the mesh itself (create_mesh(...), "
+                "get_mesh(...)), not an abstract mesh or its description."
             )
         self.global_mesh = global_mesh
-        self.process_index = jax.process_index() if process_index is None else process_index
+        if process_index is None:
+            process_index = jax.process_index()
+        self.process_index = check.non_negative_int(process_index, "process_index")
         block = _own_block(global_mesh, self.process_index)
         sizes = dict(global_mesh.shape)
         self.num_chunks: dict[str, int] = {}
@@ -155,7 +159,7 @@ class LocalChunker:
                 a process holds several positions of).
             EscaleTypeError: If ``mesh_axes`` or one of its entries has the wrong type.
         """
-        shape = tuple(int(size) for size in global_shape)
+        shape = check.shape(global_shape, "global_shape")
         if isinstance(mesh_axes, str):
             raise EscaleTypeError(
                 f"mesh_axes must have one entry per dimension, like PartitionSpec({mesh_axes!r}) "

@@ -8,8 +8,10 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale._compat import legacy_mesh
-from flax_escale.errors import MeshError, NoMeshError
+from flax_escale.errors import EscaleTypeError, MeshError, NoMeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import MeshAxisNames, mesh_axes_of
+from flax_escale.mesh._validate import describe
 
 __all__ = [
     "MeshAxisNames",
@@ -68,6 +70,9 @@ def names_in_current_mesh(*names: str) -> bool:
         ``True`` if a mesh is set and has all the names; ``False`` otherwise, including when
         no mesh is set.
 
+    Raises:
+        EscaleTypeError: If a name is not a string (a tuple of names passed as one argument).
+
     Example:
         >>> import jax
         >>> from flax_escale import create_mesh
@@ -78,6 +83,13 @@ def names_in_current_mesh(*names: str) -> bool:
         >>> names_in_current_mesh("fsdp")
         False
     """
+    for name in names:
+        if not isinstance(name, str):
+            raise EscaleTypeError(
+                f"names_in_current_mesh takes mesh axis names as separate string arguments, got "
+                f"{describe(name)}; pass names_in_current_mesh('dp', 'tp'), or "
+                "names_in_current_mesh(*names) for a sequence."
+            )
     try:
         mesh = get_incontext_mesh()
     except NoMeshError:
@@ -90,6 +102,7 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
 
     Raises:
         NoMeshError: If ``mesh`` is omitted and no mesh is set.
+        EscaleTypeError: If ``mesh`` is not a mesh.
 
     Example:
         >>> from flax_escale import create_mesh
@@ -97,6 +110,7 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
         >>> get_mesh_axis_names(create_mesh())
         ['dp', 'fsdp', 'ep', 'tp', 'sp']
     """
+    mesh = check.optional_mesh(mesh)
     return list((get_incontext_mesh() if mesh is None else mesh).axis_names)
 
 
@@ -115,7 +129,8 @@ def get_axes_size_in_mesh(
     Raises:
         MeshError: If an axis is not in the mesh.
         EscaleTypeError: If ``axis_names`` is not a string, a tuple or list of strings or
-            ``None`` (see :func:`~flax_escale.mesh._axes.mesh_axes_of`).
+            ``None`` (see :func:`~flax_escale.mesh._axes.mesh_axes_of`), or ``mesh`` is not a
+            mesh.
         NoMeshError: If ``mesh`` is omitted and no mesh is set.
 
     Example:
@@ -126,12 +141,14 @@ def get_axes_size_in_mesh(
         (2, 4)
     """
     names = mesh_axes_of(axis_names, argument="axis_names")
+    mesh = check.optional_mesh(mesh)
     mesh = get_incontext_mesh() if mesh is None else mesh
     shape = dict(mesh.shape)
     unknown = [n for n in names if n not in shape]
     if unknown:
         raise MeshError(
-            f"axis {unknown[0]!r} is not in the mesh {shape}; use one of {tuple(shape)}."
+            f"axis_names: axis {unknown[0]!r} is not in the mesh {shape}; use one of "
+            f"{tuple(shape)}."
         )
     return math.prod(shape[n] for n in names)
 

@@ -135,7 +135,10 @@ def create_mesh(
         MeshError: If names and sizes disagree, if the sizes do not match the device count,
             or if an axis type is unknown.
         EscaleTypeError: If ``axis_dims`` is not a sequence of ints or ``axis_names`` not a
-            sequence of strings (a bare ``"dp"`` is refused: pass ``("dp",)``).
+            sequence of strings (a bare ``"dp"`` is refused: pass ``("dp",)``), ``devices`` is
+            not a sequence of devices or ``backend`` not a platform name.
+        EscaleError: If ``backend`` names a platform JAX does not have here, or a name is
+            empty.
 
     Example:
         >>> from flax_escale import create_mesh
@@ -156,7 +159,10 @@ def create_mesh(
         )
     if dcn_mesh_dims is not None:
         dcn_mesh_dims = check.sizes(dcn_mesh_dims, "dcn_mesh_dims")
-    device_list = tuple(jax.devices(backend) if devices is None else devices)
+    if devices is None:
+        device_list = check.devices_of(backend)
+    else:
+        device_list = check.devices(devices, "devices")
     if not device_list:
         raise MeshError("devices is empty: a mesh needs at least one device.")
     dims = resolve_axis_dims(axis_dims, len(device_list))

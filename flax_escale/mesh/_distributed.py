@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import jax
 
 from flax_escale.errors import EscaleTypeError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._cluster import ClusterInfo, detect_cluster, split_address
 
 __all__ = ["initialize_distributed", "peer_loss_as_mesh_error"]
@@ -71,11 +72,15 @@ def initialize_distributed(
         MeshError: If a value is missing and nothing detected it, the arguments are
             inconsistent (an address that is not ``host:port``, a rank out of range), a timeout
             is not a positive number, or the group cannot be formed in time.
-        EscaleTypeError: If a timeout is not a number.
+        EscaleTypeError: If a timeout is not a number, or ``local_device_count`` not an int
+            (``EscaleError`` for one below 1).
     """
     global _session
+    timeout = _seconds("timeout", timeout)
     heartbeat = _seconds("heartbeat_timeout", heartbeat_timeout)
     shutdown = _seconds("shutdown_timeout", shutdown_timeout)
+    if local_device_count is not None:
+        local_device_count = check.positive_int(local_device_count, "local_device_count")
     cluster = detect_cluster(coordinator_address, num_processes, process_id, timeout=timeout)
     if cluster.process_id != 0:
         # jax aborts the whole process (no Python exception) when the coordinator never

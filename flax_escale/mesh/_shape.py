@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from flax_escale.errors import MeshError
+from flax_escale.mesh import _validate as check
 
 __all__ = ["calculate_host_mesh_shape", "resolve_axis_dims"]
 
@@ -26,13 +27,16 @@ def resolve_axis_dims(axis_dims: Sequence[int], device_count: int) -> tuple[int,
     Raises:
         MeshError: If a size is not a positive integer or ``-1``, if ``-1`` appears twice, or if
             the sizes cannot multiply to ``device_count``.
+        EscaleTypeError: If ``axis_dims`` is not a sequence of sizes (an int: pass ``(8,)``),
+            or ``device_count`` is not a positive int.
 
     Example:
         >>> from flax_escale.mesh import resolve_axis_dims
         >>> resolve_axis_dims((2, -1, 1), 8)
         (2, 4, 1)
     """
-    dims = tuple(axis_dims)
+    dims = check.sequence(axis_dims, "axis_dims", "sizes", "(2, 4)")
+    device_count = check.positive_int(device_count, "device_count")
     for dim in dims:
         if (
             isinstance(dim, bool)
@@ -87,6 +91,8 @@ def calculate_host_mesh_shape(
     Raises:
         MeshError: If the global shape does not use exactly ``total_devices * num_processes``
             devices.
+        EscaleTypeError: If ``global_mesh_shape`` is not a sequence of sizes, or a count is
+            not an int.
 
     Example:
         >>> from flax_escale import calculate_host_mesh_shape
@@ -95,8 +101,13 @@ def calculate_host_mesh_shape(
         >>> calculate_host_mesh_shape((2, 2, 2), total_devices=2, num_processes=4)
         (1, 1, 2)
     """
-    total_devices = jax.local_device_count() if total_devices is None else total_devices
-    num_processes = jax.process_count() if num_processes is None else num_processes
+    global_mesh_shape = check.sizes(global_mesh_shape, "global_mesh_shape")
+    if total_devices is None:
+        total_devices = jax.local_device_count()
+    total_devices = check.non_negative_int(total_devices, "total_devices")
+    if num_processes is None:
+        num_processes = jax.process_count()
+    num_processes = check.non_negative_int(num_processes, "num_processes")
     if total_devices < 1 or num_processes < 1:
         raise MeshError(
             f"total_devices={total_devices} and num_processes={num_processes} must both be "

@@ -18,27 +18,45 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = [
+    "array",
     "callable_",
     "describe",
+    "device",
+    "devices",
+    "devices_of",
+    "flag",
+    "instance",
     "logical_names",
     "mesh",
+    "named_sharding",
+    "named_sharding_of",
     "names",
+    "non_negative_int",
+    "non_negative_number",
     "optional_mesh",
+    "pairs",
+    "path",
     "positive_int",
     "rng",
+    "sequence",
+    "shape",
     "sizes",
+    "spec_on",
     "string",
+    "structure_like",
+    "transformation",
     "tree_of_arrays",
 ]
 
@@ -53,6 +71,10 @@ def describe(value: Any) -> str:
     """
     if value is None:
         return "None"
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype") and len(shape) > 0:
+        # An array's repr spans lines and says little; its type, shape and dtype say it all.
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}"
     text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
@@ -74,6 +96,37 @@ def _sequence(value: Any, argument: str, what: str, example: str) -> tuple[Any, 
     return tuple(value)
 
 
+def sequence(value: Any, argument: str, what: str, example: str) -> tuple[Any, ...]:
+    """A tuple from a sequence; a bare string, a dict, a set or a non-sequence raises.
+
+    ``what`` says what the entries are (``"mesh axis names"``), ``example`` a valid value.
+
+    Raises:
+        EscaleTypeError: For a string (``"dp"``: pass ``("dp",)``) or a non-sequence.
+    """
+    return _sequence(value, argument, what, example)
+
+
+def instance(value: Any, kind: type | tuple[type, ...], argument: str, example: str) -> Any:
+    """``value`` if it is an instance of ``kind``; otherwise raises, with ``example`` to pass.
+
+    Raises:
+        EscaleTypeError: For anything else (a class where an instance is expected included).
+    """
+    if isinstance(value, kind):
+        return value
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    wanted = " or ".join(k.__name__ for k in kinds)
+    if isinstance(value, type) and issubclass(value, kinds):
+        raise EscaleTypeError(
+            f"{argument} must be a {wanted} instance, got the class {value.__name__}; pass "
+            f"{value.__name__}(...), e.g. {example}."
+        )
+    raise EscaleTypeError(
+        f"{argument} must be a {wanted}, got {describe(value)}; pass e.g. {example}."
+    )
+
+
 def names(value: Any, argument: str) -> tuple[str, ...]:
     """A tuple of names (strings) from a sequence of them; a bare string is refused.
 
@@ -87,6 +140,11 @@ def names(value: Any, argument: str) -> tuple[str, ...]:
             raise EscaleTypeError(
                 f"{argument} must be a sequence of names (strings), got {value!r} whose entry "
                 f"{describe(item)} is not a string."
+            )
+        if not item:
+            raise EscaleError(
+                f"{argument} must be a sequence of non-empty names, got {value!r} with the "
+                "empty name ''; give every entry a name such as 'dp'."
             )
     return items
 
@@ -182,11 +240,354 @@ def positive_int(value: Any, argument: str) -> int:
         EscaleTypeError: If ``value`` is not an int (``bool`` is not one).
         EscaleError: If it is below 1.
     """
+    return _int_at_least(value, argument, 1, "a positive int")
+
+
+def non_negative_int(value: Any, argument: str) -> int:
+    """An int of at least 0.
+
+    Raises:
+        EscaleTypeError: If ``value`` is not an int (``bool`` is not one).
+        EscaleError: If it is negative.
+    """
+    return _int_at_least(value, argument, 0, "an int of at least 0")
+
+
+def _int_at_least(value: Any, argument: str, low: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise EscaleTypeError(f"{argument} must be a positive int, got {describe(value)}.")
-    if value < 1:
-        raise EscaleError(f"{argument} must be a positive int, got {value!r}.")
+        raise EscaleTypeError(
+            f"{argument} must be {what}, got {describe(value)}{_as_int_hint(value)}."
+        )
+    if value < low:
+        raise EscaleError(f"{argument} must be {what}, got {value!r}.")
     return int(value)
+
+
+def _as_int_hint(value: Any) -> str:
+    # "4" or 4.0 where 4 was meant: say so.
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return f"; pass the int {int(value)}, not a string"
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return f"; pass the int {int(value)}"
+    return ""
+
+
+def non_negative_number(value: Any, argument: str) -> float:
+    """A finite int or float of at least 0.
+
+    Raises:
+        EscaleTypeError: If ``value`` is not a number (``bool`` is not one).
+        EscaleError: If it is negative, infinite or NaN.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        hint = ""
+        if isinstance(value, str):
+            hint = "; pass a number such as 0.1, not a string"
+        raise EscaleTypeError(
+            f"{argument} must be a number of at least 0, got {describe(value)}{hint}."
+        )
+    if not (np.isfinite(value) and value >= 0):
+        raise EscaleError(f"{argument} must be a finite number of at least 0, got {value!r}.")
+    return value
+
+
+def flag(value: Any, argument: str) -> bool:
+    """``True`` or ``False``; a string such as ``"no"`` would be silently true, so it raises.
+
+    Raises:
+        EscaleTypeError: For anything but a ``bool`` (or a numpy bool).
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise EscaleTypeError(f"{argument} must be True or False, got {describe(value)}.")
+
+
+def shape(value: Any, argument: str) -> tuple[int, ...]:
+    """An array shape: a sequence of ints of at least 0; a bare int is refused.
+
+    Raises:
+        EscaleTypeError: For an int (``8``: pass ``(8,)``), a string, ``None``, an array (pass
+            its ``.shape``), or an entry that is not an int.
+        EscaleError: For a negative size.
+    """
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        raise EscaleTypeError(
+            f"{argument} must be a shape (a tuple of ints), got an array "
+            f"{type(value).__name__} of shape {tuple(value.shape)}; pass its .shape, "
+            f"{tuple(value.shape)}."
+        )
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        raise EscaleTypeError(
+            f"{argument} must be a shape (a tuple of ints), got the int {value!r}; pass "
+            f"({value!r},)."
+        )
+    if isinstance(value, str):
+        raise EscaleTypeError(
+            f"{argument} must be a shape (a tuple of ints), got the string {value!r}; pass "
+            "e.g. (16, 128)."
+        )
+    items = _sequence(value, argument, "ints (a shape)", "(16, 128)")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise EscaleTypeError(
+                f"{argument} must be a shape (a tuple of ints), got {value!r} whose entry "
+                f"{describe(item)} is not an int."
+            )
+        if item < 0:
+            raise EscaleError(
+                f"{argument} must be a shape of sizes of at least 0, got {value!r} with the "
+                f"size {item!r}."
+            )
+    return tuple(int(item) for item in items)
+
+
+def path(value: Any, argument: str) -> str:
+    """A filesystem path: a non-empty ``str`` or ``os.PathLike`` naming text; returned as str.
+
+    Raises:
+        EscaleTypeError: For ``None``, bytes, a number, or anything not path-like.
+        EscaleError: For the empty string.
+    """
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise EscaleTypeError(
+            f"{argument} must be a path (a str or pathlib.Path), got {describe(value)}; pass "
+            "e.g. '/tmp/checkpoints/step_100'."
+        )
+    if not value:
+        raise EscaleError(
+            f"{argument} must be a non-empty path, got ''; pass e.g. '/tmp/checkpoints/step_100'."
+        )
+    return value
+
+
+def named_sharding(value: Any, argument: str) -> NamedSharding:
+    """A ``jax.sharding.NamedSharding``; a bare ``PartitionSpec`` is told to add its mesh.
+
+    Raises:
+        EscaleTypeError: For anything else.
+    """
+    if isinstance(value, NamedSharding):
+        return value
+    if isinstance(value, PartitionSpec):
+        raise EscaleTypeError(
+            f"{argument} must be a NamedSharding, got the PartitionSpec {value!r}, which has no "
+            f"mesh; pass NamedSharding(mesh, {value!r}) (or batch_sharding(mesh, shape))."
+        )
+    raise EscaleTypeError(
+        f"{argument} must be a NamedSharding, got {describe(value)}; pass NamedSharding(mesh, "
+        "spec) (or batch_sharding(mesh, shape))."
+    )
+
+
+def named_sharding_of(mesh: Any, spec: Any, argument: str) -> NamedSharding:
+    """``NamedSharding(mesh, spec)``, with JAX's refusals of the spec as library errors.
+
+    JAX raises ``DuplicateSpecError`` (not a ``ValueError``) for a mesh axis named twice, and a
+    bare ``ValueError`` for an axis the mesh lacks; both name neither the argument nor a fix.
+
+    Raises:
+        EscaleError: For a spec naming a mesh axis twice or an axis not in the mesh.
+        EscaleTypeError: For a spec that is not a ``PartitionSpec``.
+    """
+    return NamedSharding(mesh, spec_on(mesh, spec, argument))
+
+
+def spec_on(mesh: Any, spec: Any, argument: str) -> PartitionSpec:
+    """``spec``, checked as :func:`named_sharding_of` checks it, without building a sharding."""
+    if isinstance(spec, str):
+        raise EscaleTypeError(
+            f"{argument} must be a PartitionSpec, got the string {spec!r}; pass "
+            f"PartitionSpec({spec!r})."
+        )
+    if not isinstance(spec, PartitionSpec):
+        raise EscaleTypeError(
+            f"{argument} must be a PartitionSpec, got {describe(spec)}; pass e.g. "
+            "PartitionSpec('dp')."
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        for axis in mesh_axes_of(entry, argument=f"{argument} entry {dim}"):
+            if axis in seen:
+                raise EscaleError(
+                    f"{argument} {spec!r} names mesh axis {axis!r} twice; an array can use each "
+                    "mesh axis for one dimension only: drop it from one of them."
+                )
+            if axis not in mesh.axis_names:
+                raise EscaleError(
+                    f"{argument} {spec!r} names mesh axis {axis!r}, which is not in the mesh "
+                    f"{dict(mesh.shape)}; use the mesh's axes {tuple(mesh.axis_names)}."
+                )
+            seen.add(axis)
+    return spec
+
+
+def array(value: Any, argument: str) -> jax.Array:
+    """A ``jax.Array``; a numpy array or anything else raises.
+
+    Raises:
+        EscaleTypeError: For a numpy array (already on the host), ``None`` or another type.
+    """
+    if isinstance(value, jax.Array):
+        return value
+    if isinstance(value, np.ndarray):
+        raise EscaleTypeError(
+            f"{argument} must be a jax.Array, got a numpy array of shape {value.shape}, which "
+            "is already on the host; pass the global jax.Array (host_local_to_global makes one)."
+        )
+    raise EscaleTypeError(
+        f"{argument} must be a jax.Array, got {describe(value)}; pass a global jax.Array."
+    )
+
+
+def _is_device(value: Any) -> bool:
+    # Duck-typed, so that tests and planners can pass stand-ins with the same attributes.
+    return hasattr(value, "id") and hasattr(value, "process_index") and hasattr(value, "platform")
+
+
+def device(value: Any, argument: str) -> Any:
+    """A JAX device (or an object with a device's ``id``, ``process_index`` and ``platform``).
+
+    Raises:
+        EscaleTypeError: For anything else.
+    """
+    if _is_device(value):
+        return value
+    raise EscaleTypeError(
+        f"{argument} must be a JAX device, got {describe(value)}; pass e.g. jax.devices()[-1]."
+    )
+
+
+def devices(value: Any, argument: str = "devices") -> tuple[Any, ...]:
+    """A tuple of JAX devices from a sequence (or array) of them.
+
+    Raises:
+        EscaleTypeError: For a string (a platform name: pass ``jax.devices(name)``), a count, or
+            an entry that is not a device.
+    """
+    if isinstance(value, str):
+        raise EscaleTypeError(
+            f"{argument} must be a sequence of JAX devices, got the string {value!r}; pass "
+            f"jax.devices({value!r})."
+        )
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        raise EscaleTypeError(
+            f"{argument} must be a sequence of JAX devices, got the int {value!r}; pass "
+            f"jax.devices()[:{value!r}]."
+        )
+    if isinstance(value, np.ndarray):
+        value = value.ravel().tolist()
+    items = _sequence(value, argument, "JAX devices", "jax.devices()")
+    for item in items:
+        if not _is_device(item):
+            raise EscaleTypeError(
+                f"{argument} must be a sequence of JAX devices, got an entry {describe(item)}; "
+                "pass e.g. jax.devices()."
+            )
+    return items
+
+
+def devices_of(backend: Any, argument: str = "backend") -> tuple[Any, ...]:
+    """``jax.devices(backend)``, with an unknown or mistyped backend as a library error.
+
+    Raises:
+        EscaleTypeError: For a backend that is neither ``None`` nor a string.
+        EscaleError: For a platform JAX does not have here.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise EscaleTypeError(
+            f"{argument} must be a platform name such as 'cpu', 'gpu' or 'tpu' (or None), got "
+            f"{describe(backend)}."
+        )
+    try:
+        return tuple(jax.devices(backend))
+    except RuntimeError as error:
+        raise EscaleError(
+            f"{argument} {backend!r} is not available here ({error}); pass one of the platforms "
+            "JAX lists, or None for the default."
+        ) from None
+
+
+def pairs(value: Any, argument: str, what: str, example: str) -> tuple[tuple[Any, Any], ...]:
+    """A sequence of ``(name, value)`` pairs whose first items are strings.
+
+    ``what`` names a pair (``"(regex, PartitionSpec)"``), ``example`` shows a valid sequence.
+
+    Raises:
+        EscaleTypeError: For a string, a dict, ``None``, a bare pair, or an entry that is not
+            a pair starting with a string.
+    """
+    if isinstance(value, str):
+        raise EscaleTypeError(
+            f"{argument} must be a sequence of {what} pairs, got the string {value!r}; pass "
+            f"e.g. {example}."
+        )
+    if isinstance(value, dict):
+        raise EscaleTypeError(
+            f"{argument} must be a sequence of {what} pairs, got {describe(value)}; pass "
+            f"its items in order, e.g. {example}."
+        )
+    items = _sequence(value, argument, f"{what} pairs", example)
+    if len(items) == 2 and isinstance(items[0], str):
+        raise EscaleTypeError(
+            f"{argument} must be a sequence of {what} pairs, got the single pair {value!r}; "
+            f"pass [{value!r}]."
+        )
+    for item in items:
+        if isinstance(item, str) or not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise EscaleTypeError(
+                f"{argument} must be a sequence of {what} pairs, got the entry {item!r}, "
+                f"which is not a pair; pass e.g. {example}."
+            )
+        if not isinstance(item[0], str):
+            raise EscaleTypeError(
+                f"{argument}: in the entry {item!r} the first item {describe(item[0])} must be "
+                f"a string; pass e.g. {example}."
+            )
+    return tuple((first, second) for first, second in items)
+
+
+def structure_like(
+    value: Any, reference: Any, argument: str, reference_name: str, is_leaf: Any = None
+) -> list[Any]:
+    """``value``'s subtrees at the leaves of ``reference``, as a list; a mismatch raises.
+
+    Raises:
+        EscaleError: If ``value`` is not a prefix-compatible tree of ``reference`` (other keys,
+            other lengths, a different container), naming both structures.
+    """
+    treedef = jax.tree.structure(reference, is_leaf=is_leaf)
+    try:
+        return treedef.flatten_up_to(value)
+    except (ValueError, TypeError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise EscaleError(
+            f"{argument} must be a tree shaped like {reference_name} (or one value for all), "
+            f"got {describe(value)}: {first} Give one entry per leaf of {reference_name}, "
+            "with the same keys."
+        ) from None
+
+
+def transformation(value: Any, argument: str = "tx") -> Any:
+    """An optax ``GradientTransformation`` (anything with ``init`` and ``update``).
+
+    Raises:
+        EscaleTypeError: For ``None``, a name, or a transformation's factory not yet called
+            (``optax.adam`` rather than ``optax.adam(1e-3)``).
+    """
+    if hasattr(value, "init") and hasattr(value, "update"):
+        return value
+    if isinstance(value, str):
+        hint = f"pass the transformation itself, e.g. optax.{value}(1e-3), not its name"
+    elif callable(value):
+        name = getattr(value, "__name__", "it")
+        hint = f"call the factory first, e.g. optax.{name}(1e-3)"
+    else:
+        hint = "pass e.g. optax.adam(1e-3)"
+    raise EscaleTypeError(
+        f"{argument} must be an optax GradientTransformation, got {describe(value)}; {hint}."
+    )
 
 
 def callable_(value: Any, argument: str, hint: str = "") -> Callable[..., Any]:

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve._fit import fit_spec, mesh_axes_of
 from flax_escale.sharding._constraint import with_sharding_constraint
 from flax_escale.sharding._paths import flatten_with_paths
@@ -64,6 +65,14 @@ def suggest_methods(
     return methods
 
 
+def _paxis(paxis: Any) -> PartitionAxis:
+    if paxis is None:
+        return PartitionAxis()
+    return check.instance(
+        paxis, PartitionAxis, "paxis", "PartitionAxis(tensor_parallel_axis='model')"
+    )
+
+
 def _spec(methods: Methods) -> PartitionSpec:
     entries = [m[0] if len(m) == 1 else (m or None) for m in methods]
     while entries and entries[-1] is None:
@@ -89,6 +98,8 @@ def auto_partition_spec(
 
     Raises:
         MeshError: If ``axes`` names an axis the mesh lacks.
+        EscaleTypeError: If ``shape`` is not a tuple of ints, ``mesh`` not a mesh,
+            ``min_shard_size`` not an int or ``paxis`` not a ``PartitionAxis``.
 
     Example:
         >>> from flax_escale import PartitionAxis, create_mesh
@@ -108,7 +119,10 @@ def auto_partition_spec(
         >>> auto_partition_spec((1024, 4096), mesh, axes=("fsdp", "tp"))
         P('fsdp', 'tp')
     """
-    sizes = dict(mesh.shape)
+    shape = check.shape(shape, "shape")
+    sizes = dict(check.mesh(mesh).shape)
+    min_shard_size = check.non_negative_int(min_shard_size, "min_shard_size")
+    paxis = _paxis(paxis)
     if axes is not None:
         allowed = mesh_axes_of(axes, argument="axes")
         missing = [a for a in allowed if a not in sizes]
@@ -141,17 +155,23 @@ class MeshPartitionHelper:
     """
 
     def __init__(self, mesh: Mesh, paxis: PartitionAxis | None = None) -> None:
-        """Binds the helper to ``mesh``; ``paxis`` names the tensor and data axes."""
-        self.mesh = mesh
+        """Binds the helper to ``mesh``; ``paxis`` names the tensor and data axes.
+
+        Raises:
+            EscaleTypeError: If ``mesh`` is not a mesh or ``paxis`` not a ``PartitionAxis``.
+        """
+        self.mesh = check.mesh(mesh)
         self.axis_sizes: dict[str, int] = dict(mesh.shape)
-        self._paxis = PartitionAxis() if paxis is None else paxis
+        self._paxis = _paxis(paxis)
 
     def suggest_methods(self, array_shape: Sequence[int]) -> Methods:
         """The mesh axes to place on each dimension of ``array_shape``."""
-        return suggest_methods(tuple(array_shape), self.axis_sizes, self._paxis)
+        shape = check.shape(array_shape, "array_shape")
+        return suggest_methods(shape, self.axis_sizes, self._paxis)
 
     def analyze_pytree(self, pytree: Any) -> dict[tuple[int, ...], Methods]:
         """The suggested methods for each distinct array shape in ``pytree``."""
+        check.tree_of_arrays(pytree, "pytree")
         shapes = {
             tuple(value.shape)
             for _, value, _ in flatten_with_paths(pytree)[0]
@@ -170,7 +190,8 @@ class MeshPartitionHelper:
 
         Raises:
             EscaleError: If ``methods`` do not fit the shape and mesh.
-            EscaleTypeError: If ``methods`` is not a list of axis names or tuples of them.
+            EscaleTypeError: If ``methods`` is not a list of axis names or tuples of them, or
+                ``array_shape`` is not a tuple of ints.
 
         Example:
             >>> from flax_escale import create_mesh
@@ -186,7 +207,7 @@ class MeshPartitionHelper:
                 f"methods must be a list with one tuple of mesh axes per dimension (as "
                 f"suggest_methods gives), got {type(methods).__name__} {methods!r}."
             )
-        shape = tuple(array_shape)
+        shape = check.shape(array_shape, "array_shape")
         if len(shape) == 0 or math.prod(shape) < min_shard_size:
             return PartitionSpec()
         entries = [mesh_axes_of(m, argument=f"methods[{dim}]") for dim, m in enumerate(methods)]
@@ -202,6 +223,7 @@ class MeshPartitionHelper:
 
     def partition_specs(self, pytree: Any, min_shard_size: int = 1024) -> Any:
         """The automatic spec of every array (or ``ShapeDtypeStruct``) in ``pytree``."""
+        check.tree_of_arrays(pytree, "pytree")
         flat, treedef = flatten_with_paths(pytree)
         return treedef.unflatten(
             [self._auto_spec(getattr(v, "shape", ()), min_shard_size) for _, v, _ in flat]
@@ -213,6 +235,7 @@ class MeshPartitionHelper:
 
     def auto_shard_pytree(self, pytree: Any, min_shard_size: int = 1024) -> Any:
         """Every array of ``pytree`` placed with its automatic spec."""
+        check.tree_of_arrays(pytree, "pytree")
         flat, treedef = flatten_with_paths(pytree)
         return treedef.unflatten(
             [

@@ -50,6 +50,10 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     a concrete array is placed). ``spec`` must already be valid for ``x`` (see
     :func:`~flax_escale.resolve._fit.fit_spec`).
 
+    Raises:
+        EscaleError: If ``spec`` names a mesh axis twice or one the mesh lacks.
+        EscaleTypeError: If ``spec`` is not a ``PartitionSpec`` or ``mesh`` not a mesh.
+
     Example:
         >>> import jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec
@@ -59,6 +63,8 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
         >>> apply_spec(jnp.zeros((4, 8)), PartitionSpec(None, "tp"), mesh).sharding.spec
         P(None, 'tp')
     """
+    mesh = check.mesh(mesh)
+    spec = check.spec_on(mesh, spec, "spec")
     if isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
         current = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
         placed = [
@@ -74,6 +80,16 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     if any(t != AxisType.Explicit for t in mesh.axis_types):
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*auto)))
     return x
+
+
+def _as_array(leaf: Any) -> jax.Array:
+    try:
+        return jnp.asarray(leaf)
+    except (TypeError, ValueError):
+        raise EscaleTypeError(
+            f"x must be an array or a pytree of arrays, got a leaf {check.describe(leaf)}; pass "
+            "the arrays to constrain (numpy and Python numbers are converted)."
+        ) from None
 
 
 def with_sharding_constraint(
@@ -108,6 +124,10 @@ def with_sharding_constraint(
 
     Raises:
         ShardingResolutionError: With ``strict=True``, if a spec does not fit.
+        EscaleTypeError: If ``sharding`` is a string or not a spec (or a tree of them shaped
+            like ``x``), ``mesh`` is not a mesh, ``strict`` not a bool, or a leaf of ``x`` not
+            an array.
+        EscaleError: If ``sharding`` is a tree not shaped like ``x``.
 
     Example:
         >>> import warnings
@@ -130,11 +150,21 @@ def with_sharding_constraint(
             f"sharding must be a PartitionSpec, a NamedSharding or a tree of them, got the "
             f"string {sharding!r}; pass PartitionSpec({sharding!r})."
         )
+    strict = check.flag(strict, "strict")
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if isinstance(sharding, (PartitionSpec, NamedSharding)) or sharding is None:
         shardings = [sharding] * len(leaves)
     else:
-        shardings = treedef.flatten_up_to(sharding)
+        shardings = check.structure_like(sharding, x, "sharding", "x")
+        for leaf_sharding in shardings:
+            if not isinstance(leaf_sharding, (PartitionSpec, NamedSharding, tuple, list)) and (
+                leaf_sharding is not None
+            ):
+                raise EscaleTypeError(
+                    f"sharding must be a PartitionSpec, a NamedSharding or a tree of them "
+                    f"shaped like x, got {check.describe(sharding)}; pass e.g. "
+                    "PartitionSpec('dp')."
+                )
     out = [
         _constrain_leaf(leaf, s, mesh, strict) for leaf, s in zip(leaves, shardings, strict=True)
     ]
@@ -156,7 +186,7 @@ def _constrain_leaf(
                 mesh = get_incontext_mesh()
             except NoMeshError:
                 return leaf
-    array = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+    array = leaf if isinstance(leaf, jax.Array) else _as_array(leaf)
     resolution = resolve_mesh_axes(tuple(spec), shape=array.shape, mesh=mesh)
     enforce(resolution, strict=strict, stacklevel=4)
     return apply_spec(array, resolution.spec, mesh)

@@ -49,6 +49,8 @@ def use_sharding(
 
     Raises:
         ShardingResolutionError: With ``strict``, if rules name mesh axes the mesh lacks.
+        EscaleTypeError: If ``mesh`` is not a mesh, ``rules`` are malformed or ``strict`` is
+            not a bool.
 
     Example:
         >>> import jax
@@ -61,6 +63,7 @@ def use_sharding(
         P('fsdp', 'tp')
     """
     mesh = check.mesh(mesh)
+    strict = check.flag(strict, "strict")
     frozen = as_logical_rules(rules)
     present = set(mesh.axis_names)
     absent = [(n, t) for n, t in frozen if not set(mesh_axes_of(t)) <= present]

@@ -11,8 +11,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_escale.errors import EscaleError, NoMeshError
+from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh._validate import describe
 from flax_escale.resolve._fit import fit_spec, mesh_axes_of
 from flax_escale.sharding._paths import flatten_with_paths, is_box, unbox
 
@@ -33,6 +35,8 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
 
     Raises:
         NoMeshError: If a leaf carries a ``PartitionSpec`` and there is no mesh.
+        EscaleTypeError: If ``mesh`` is not a mesh, or ``tree`` holds no array (a string or
+            ``None``, say), which would otherwise give ``None`` as if nothing were sharded.
 
     Example:
         >>> import jax
@@ -45,11 +49,13 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> extract_shardings({"w": w, "n": 3})["n"] is None
         True
     """
+    mesh = check.optional_mesh(mesh)
+    check.tree_of_arrays(tree, "tree")
 
     def sharding_of(leaf: Any) -> NamedSharding | None:
         sharding = getattr(unbox(leaf), "sharding", None)
         if isinstance(sharding, PartitionSpec):
-            return NamedSharding(_mesh(mesh, "extract_shardings"), sharding)
+            return check.named_sharding_of(_mesh(mesh, "extract_shardings"), sharding, "tree")
         return sharding if isinstance(sharding, NamedSharding) else None
 
     return jax.tree.map(sharding_of, tree, is_leaf=is_box)
@@ -86,8 +92,10 @@ def get_partition_spec(tree: Any) -> Any:
         if isinstance(leaf, (int, float)):
             return PartitionSpec()
         raise EscaleError(
-            f"get_partition_spec: unsupported leaf {type(leaf).__name__}; expected jax.Array, "
-            "int or float."
+            f"get_partition_spec: unsupported leaf {type(leaf).__name__} in tree: "
+            f"{describe(leaf)}; expected jax.Array, int or float. Place arrays on the mesh "
+            "first (jax.device_put with a NamedSharding), or use extract_shardings for trees "
+            "that mix them with other leaves."
         )
 
     return jax.tree.map(spec_of, tree)
@@ -101,6 +109,9 @@ def get_names_from_partition_spec(partition_specs: Any) -> list[str]:
         >>> from flax_escale.sharding import get_names_from_partition_spec
         >>> get_names_from_partition_spec({"a": PartitionSpec(("fsdp", "sp"), "tp"), "b": None})
         ['fsdp', 'sp', 'tp']
+
+    Raises:
+        EscaleTypeError: For a leaf that is neither a spec, a name nor ``None``.
     """
     names: set[str] = set()
 
@@ -118,6 +129,13 @@ def get_names_from_partition_spec(partition_specs: Any) -> list[str]:
         elif isinstance(item, Iterable):
             for value in item:
                 visit(value)
+        else:
+            holding = "" if item is partition_specs else f" holding {describe(item)}"
+            raise EscaleTypeError(
+                f"partition_specs must be a PartitionSpec, a mesh axis name or a tree of them, "
+                f"got {describe(partition_specs)}{holding}; pass e.g. "
+                "PartitionSpec('fsdp', 'tp') or {'w': PartitionSpec('tp')}."
+            )
 
     visit(partition_specs)
     return sorted(names)
@@ -194,6 +212,12 @@ def analyze_sharding_strategy(
     Returns:
         A :class:`ShardingAnalysis`.
 
+    Raises:
+        EscaleError: If ``partition_specs`` is not shaped like ``pytree``, or a spec cannot
+            exist on the mesh (an axis it lacks or used twice, more entries than dimensions).
+        EscaleTypeError: If ``pytree`` holds no array, ``mesh`` is not a mesh, or a spec is
+            not a ``PartitionSpec``.
+
     Example:
         >>> import jax
         >>> import numpy as np
@@ -210,12 +234,32 @@ def analyze_sharding_strategy(
         >>> a["total_parameters"], a["memory_per_device"][0]  # eformer's keys
         (136, 96)
     """
+    mesh = check.optional_mesh(mesh)
     mesh = _mesh(mesh, "analyze_sharding_strategy") if mesh is None else mesh
+    check.tree_of_arrays(pytree, "pytree")
     flat, treedef = flatten_with_paths(pytree)
     if isinstance(partition_specs, PartitionSpec) or partition_specs is None:
         specs = [partition_specs] * len(flat)
+    elif isinstance(partition_specs, str):
+        raise EscaleTypeError(
+            f"partition_specs must be a PartitionSpec or a tree of them shaped like pytree, got "
+            f"the string {partition_specs!r}; pass PartitionSpec({partition_specs!r})."
+        )
     else:
-        specs = treedef.flatten_up_to(partition_specs)
+        try:
+            specs = treedef.flatten_up_to(partition_specs)
+        except (ValueError, TypeError) as error:
+            raise EscaleError(
+                f"partition_specs must be a PartitionSpec or a tree of them shaped like pytree, "
+                f"got {describe(partition_specs)}: {str(error).splitlines()[0]} Give one spec "
+                "per array, with the same keys."
+            ) from None
+    for spec in specs:
+        if spec is not None and not isinstance(spec, PartitionSpec):
+            raise EscaleTypeError(
+                f"partition_specs must hold a PartitionSpec (or None) per array, got "
+                f"{describe(spec)}; pass e.g. PartitionSpec('fsdp', 'tp')."
+            )
     per_device = {device.id: 0 for device in mesh.devices.flat}
     stats: dict[str, dict[str, int]] = {}
     total = sharded = total_bytes = 0

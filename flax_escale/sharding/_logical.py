@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax.linen.spmd import RulesFallback
 from jax.sharding import AbstractMesh, Mesh
 
-from flax_escale.errors import NoMeshError, ShardingResolutionError
+from flax_escale.errors import EscaleTypeError, NoMeshError, ShardingResolutionError
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
 from flax_escale.resolve import (
@@ -62,6 +62,8 @@ def constrain(
     Raises:
         ShardingResolutionError: With ``strict``, if anything could not apply; with
             ``fallback=RAISE_ERROR``, if a logical name has no rule.
+        EscaleTypeError: If ``logical_axes`` is a string, ``mesh`` not a mesh, ``strict`` not
+            a bool, ``fallback`` not a ``RulesFallback``, or ``x`` not an array.
 
     Example:
         >>> import jax
@@ -80,6 +82,12 @@ def constrain(
         return x
     check.logical_names(logical_axes, "logical_axes")
     mesh = check.optional_mesh(mesh)
+    strict = check.flag(strict, "strict")
+    if not isinstance(fallback, RulesFallback):
+        raise EscaleTypeError(
+            f"fallback must be a flax.linen.spmd.RulesFallback, got {check.describe(fallback)}; "
+            f"pass one of {[f'RulesFallback.{f.name}' for f in RulesFallback]}."
+        )
     if mesh is None:
         try:
             mesh = get_incontext_mesh()
@@ -88,7 +96,15 @@ def constrain(
     frozen = as_logical_rules(rules)
     if not frozen:
         return x
-    array = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if isinstance(x, jax.Array):
+        array = x
+    else:
+        try:
+            array = jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise EscaleTypeError(
+                f"x must be an array, got {check.describe(x)}; pass the activation to constrain."
+            ) from None
     resolution = resolve_logical_axes(logical_axes, frozen, shape=array.shape, mesh=mesh)
     if resolution.unknown_names and fallback is RulesFallback.NO_CONSTRAINT:
         return x

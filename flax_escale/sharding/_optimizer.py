@@ -61,6 +61,8 @@ def opt_state_shardings(
     Raises:
         EscaleError: If a parameter has no ``NamedSharding``, the parameters are on several
             meshes (or none), or ``shard_over`` names an axis the mesh lacks.
+        EscaleTypeError: If ``tx`` is not an optax transformation (``optax.adam`` rather
+            than ``optax.adam(1e-3)``, say), or ``shard_over`` is a string.
 
     Example:
         >>> import jax
@@ -74,6 +76,7 @@ def opt_state_shardings(
         >>> s[0].mu["w"].spec, s[0].count.spec
         (P(('fsdp', 'dp'), None), P())
     """
+    tx = check.transformation(tx, "tx")
     shard_over = check.names(shard_over, "shard_over")
     flat, _ = flatten_with_paths(params)
     tracked = [(path, np.shape(value), _named_sharding(value)) for path, value, _ in flat]

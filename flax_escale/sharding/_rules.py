@@ -19,7 +19,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError, ShardingCorrectionWarning
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh._validate import describe
 from flax_escale.resolve import Resolution, enforce, fit_spec
 from flax_escale.sharding._paths import flatten_with_paths
 
@@ -70,7 +72,9 @@ def match_partition_rules(
     Raises:
         PartitionRuleError: With ``strict``, for an array no rule matches (naming its path and
             shape); for a regex that does not compile.
-        EscaleTypeError: If ``min_size`` is not a number or ``None``.
+        EscaleTypeError: If ``min_size`` is not a number or ``None``; if ``rules`` is not a
+            sequence of ``(regex, spec)`` pairs (a string, a dict, a bare pair, an entry of
+            another length, a regex that is not a string); if ``tree`` holds no array.
 
     Example:
         >>> import numpy as np
@@ -93,6 +97,11 @@ def match_partition_rules(
             f"(the default minimum, {DEFAULT_MIN_SIZE}), got {type(min_size).__name__} "
             f"{min_size!r}."
         )
+    rules = check.pairs(
+        rules, "rules", "(regex, PartitionSpec)", "[('kernel$', PartitionSpec('fsdp', 'tp'))]"
+    )
+    check.tree_of_arrays(tree, "tree")
+    strict = check.flag(strict, "strict")
     compiled = _compile(tuple((pattern, _as_spec(spec, pattern)) for pattern, spec in rules))
     flat, treedef = flatten_with_paths(tree)
     unmatched = []
@@ -139,13 +148,17 @@ def _fitted(spec: PartitionSpec, shape: tuple[int, ...]) -> Resolution:
     return Resolution(None, cut, shape, None, spec, corrections)
 
 
-def _as_spec(spec: Any, pattern: str | None = None) -> PartitionSpec:
+def _as_spec(spec: Any, pattern: str | None = None, argument: str = "rules") -> PartitionSpec:
     if isinstance(spec, (tuple, list)):
         spec = PartitionSpec(*spec)
     elif spec is None:
         spec = PartitionSpec()
     elif not isinstance(spec, PartitionSpec):
-        raise PartitionRuleError(f"rules: {spec!r} is not a PartitionSpec.")
+        where = argument if pattern is None else f"{argument}: the rule for {pattern!r}"
+        example = f"PartitionSpec({spec!r})" if isinstance(spec, str) else "PartitionSpec('tp')"
+        raise PartitionRuleError(
+            f"{where}: {describe(spec)} is not a PartitionSpec; pass e.g. {example}."
+        )
     if pattern is not None:
         _check_spec(spec, f"rules: the rule for {pattern!r}", None)
     return spec
@@ -158,7 +171,10 @@ def _compile(rules: tuple[tuple[str, PartitionSpec], ...]) -> tuple:
         try:
             compiled.append((pattern, re.compile(pattern), spec))
         except re.error as error:
-            raise PartitionRuleError(f"rules: {pattern!r} is not a valid regex: {error}.") from None
+            raise PartitionRuleError(
+                f"rules: {pattern!r} is not a valid regex: {error}; fix the regex, or pass "
+                f"re.escape({pattern!r}) to match the text literally."
+            ) from None
     return tuple(compiled)
 
 
@@ -193,6 +209,8 @@ def create_pattern_based_partition_spec(
     Raises:
         PartitionRuleError: For a rule without ``->``, an empty regex, a spec that names one
             mesh axis twice, or an axis the mesh lacks (naming the rule).
+        EscaleTypeError: If ``pattern`` is not a string, ``mesh`` not a mesh or ``strict``
+            not a bool.
 
     Example:
         >>> import numpy as np
@@ -207,7 +225,10 @@ def create_pattern_based_partition_spec(
         >>> spec_of("norm/scale", np.zeros(4))
         P()
     """
-    default = _as_spec(default_spec)
+    pattern = check.string(pattern, "pattern", "'attention|mlp->fsdp.tp,embed->tp'")
+    mesh = check.optional_mesh(mesh)
+    strict = check.flag(strict, "strict")
+    default = _as_spec(default_spec, argument="default_spec")
     if mesh is None:
         try:
             mesh = get_incontext_mesh()

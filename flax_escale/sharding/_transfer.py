@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_escale.errors import EscaleError
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
 from flax_escale.resolve import enforce, resolve_mesh_axes
 from flax_escale.sharding._paths import path_of
@@ -23,11 +24,12 @@ __all__ = [
 ]
 
 
-def as_named_sharding(spec: Any, mesh: Mesh | None) -> NamedSharding:
+def as_named_sharding(spec: Any, mesh: Mesh | None, argument: str = "the spec") -> NamedSharding:
     """One leaf of a specs tree as a ``NamedSharding`` (``None`` is replicated) on ``mesh``.
 
     Raises:
-        EscaleError: If the leaf is not a ``PartitionSpec``, ``NamedSharding`` or ``None``.
+        EscaleError: If the leaf is not a ``PartitionSpec``, ``NamedSharding`` or ``None``, or
+            names a mesh axis twice or one the mesh lacks.
         NoMeshError: If a ``PartitionSpec`` needs a mesh and none is given or set.
     """
     if isinstance(spec, NamedSharding):
@@ -42,7 +44,7 @@ def as_named_sharding(spec: Any, mesh: Mesh | None) -> NamedSharding:
             f"PartitionSpec or NamedSharding, got {spec!r}); resolve logical axes first "
             "(logical_to_mesh_axes, Partitioner.get_mesh_axes)."
         )
-    return NamedSharding(mesh, spec)
+    return check.named_sharding_of(mesh, spec, argument)
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -79,6 +81,9 @@ def make_shard_and_gather_fns(
 
     Raises:
         NoMeshError: If a spec needs a mesh and none is given or set.
+        EscaleError: If a spec is not a ``PartitionSpec`` (or ``NamedSharding``, ``None``),
+            names a mesh axis twice or one the mesh lacks.
+        EscaleTypeError: If ``partition_specs`` is a string or ``mesh`` not a mesh.
 
     Example:
         >>> import numpy as np
@@ -93,8 +98,17 @@ def make_shard_and_gather_fns(
         >>> np.array_equal(gather_fns["w"](w), np.arange(32.0).reshape(8, 4))
         True
     """
+    mesh = check.optional_mesh(mesh)
+    strict = check.flag(strict, "strict")
+    if isinstance(partition_specs, str):
+        raise EscaleTypeError(
+            f"partition_specs must be a tree of PartitionSpec, got the string "
+            f"{partition_specs!r}; pass e.g. {{'w': PartitionSpec({partition_specs!r})}}."
+        )
     shardings = jax.tree.map(
-        lambda s: as_named_sharding(s, mesh), partition_specs, is_leaf=is_spec_leaf
+        lambda s: as_named_sharding(s, mesh, "partition_specs"),
+        partition_specs,
+        is_leaf=is_spec_leaf,
     )
     multiprocess = jax.process_count() > 1
 
@@ -152,6 +166,12 @@ def reshard_tree(tree: Any, shardings: Any, *, mesh: Mesh | None = None) -> Any:
     Returns:
         The tree, resharded.
 
+    Raises:
+        EscaleError: If ``shardings`` is not shaped like ``tree``, a spec names a mesh axis
+            twice or one the mesh lacks, or its axes do not divide the array.
+        EscaleTypeError: If ``tree`` holds no array, ``shardings`` is a string or ``mesh`` is
+            not a mesh.
+
     Example:
         >>> import jax
         >>> import numpy as np
@@ -165,8 +185,31 @@ def reshard_tree(tree: Any, shardings: Any, *, mesh: Mesh | None = None) -> Any:
         >>> moved.sharding.spec, len(moved.sharding.device_set), np.array_equal(moved, w)
         (P(None, 'tp'), 4, True)
     """
+    mesh = check.optional_mesh(mesh)
+    check.tree_of_arrays(tree, "tree")
+    if isinstance(shardings, str):
+        raise EscaleTypeError(
+            f"shardings must be a NamedSharding or PartitionSpec (or a tree of them), got the "
+            f"string {shardings!r}; pass PartitionSpec({shardings!r})."
+        )
     if is_spec_leaf(shardings):
-        target = as_named_sharding(shardings, mesh)
-        return jax.tree.map(lambda x: jax.device_put(x, target), tree)
-    named = jax.tree.map(lambda s: as_named_sharding(s, mesh), shardings, is_leaf=is_spec_leaf)
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, named)
+        target = as_named_sharding(shardings, mesh, "shardings")
+        return jax.tree_util.tree_map_with_path(lambda p, x: _put(p, x, target), tree)
+    given = check.structure_like(shardings, tree, "shardings", "tree")
+    named = [as_named_sharding(s, mesh, "shardings") for s in given]
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    moved = [_put(p, x, s) for (p, x), s in zip(leaves_with_paths, named, strict=True)]
+    return treedef.unflatten(moved)
+
+
+def _put(key_path: Any, x: Any, sharding: NamedSharding) -> Any:
+    try:
+        return jax.device_put(x, sharding)
+    except ValueError as error:  # jax's IndivisibleError and kin
+        shape = getattr(x, "shape", None)
+        raise EscaleError(
+            f"reshard_tree: shardings give {sharding.spec}, which cannot apply to "
+            f"{path_of(key_path) or 'the array'!r} of shape {shape} on mesh "
+            f"{dict(sharding.mesh.shape)}: {str(error).splitlines()[0]} Give it a spec whose "
+            "mesh axes divide its dimensions."
+        ) from None

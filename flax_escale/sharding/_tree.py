@@ -8,6 +8,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale.errors import EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
 from flax_escale.sharding._annotation import annotated_leaves
 from flax_escale.sharding._paths import is_box
@@ -39,6 +41,10 @@ def logical_to_mesh_sharding(
     Returns:
         A tree of ``NamedSharding`` shaped like ``tree`` (one per spec, box or variable).
 
+    Raises:
+        EscaleTypeError: If ``mesh`` is not a mesh, ``tree`` is a string or ``None``, or a
+            leaf is a bare string rather than a spec.
+
     Example:
         >>> import flax.linen as nn
         >>> import jax
@@ -56,6 +62,14 @@ def logical_to_mesh_sharding(
         >>> fe.logical_to_mesh_sharding(abstract, mesh)["params"]["kernel"].spec  # 6 % tp=2
         P(('fsdp', 'sp'), 'tp')
     """
+    mesh = check.mesh(mesh)
+    strict = check.flag(strict, "strict")
+    if isinstance(tree, str) or tree is None:
+        raise EscaleTypeError(
+            f"tree must be a tree of logical specs or annotated variables, got "
+            f"{check.describe(tree)}; pass e.g. {{'kernel': PartitionSpec('hidden_state', "
+            "'mlp_intermediate')}, or jax.eval_shape of the model's init."
+        )
     if isinstance(tree, (nnx.Module, nnx.Optimizer)) or any(
         is_box(leaf) or hasattr(leaf, "shape") for leaf in _leaves(tree)
     ):
@@ -64,6 +78,11 @@ def logical_to_mesh_sharding(
     frozen = as_logical_rules(rules)
 
     def sharding(names: Any) -> NamedSharding:
+        if isinstance(names, str):
+            raise EscaleTypeError(
+                f"tree: a leaf is the string {names!r}, not a logical spec; pass "
+                f"PartitionSpec({names!r}) or ({names!r},) for a one-dimensional array."
+            )
         resolution = resolve_logical_axes(tuple(names), frozen, mesh=mesh, strict=strict)
         return NamedSharding(mesh, enforce(resolution, strict=strict, stacklevel=3).spec)
 

@@ -21,6 +21,7 @@ from flax_escale._data import process_batch_slice
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError
 from flax_escale.mesh import LocalChunker, LocalChunkInfo
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.resolve import resolve_logical_axes
 
@@ -38,12 +39,28 @@ class DataLayout:
         num_shards: How many distinct parts the processes load between them.
         is_first_host_in_replica_set: Whether this process is the first of those that load the
             same part (the one to write per-part outputs, say).
+
+    Raises:
+        EscaleTypeError: If a count is not an int or the flag not a bool.
+        EscaleError: If ``batch_size`` or ``num_shards`` is below 1, or ``shard_id`` is not in
+            ``range(num_shards)``.
     """
 
     batch_size: int
     shard_id: int
     num_shards: int
     is_first_host_in_replica_set: bool
+
+    def __post_init__(self) -> None:
+        check.positive_int(self.batch_size, "batch_size")
+        check.positive_int(self.num_shards, "num_shards")
+        check.non_negative_int(self.shard_id, "shard_id")
+        if self.shard_id >= self.num_shards:
+            raise EscaleError(
+                f"shard_id {self.shard_id} is not below num_shards {self.num_shards}: parts are "
+                f"numbered from 0 to {self.num_shards - 1}."
+            )
+        check.flag(self.is_first_host_in_replica_set, "is_first_host_in_replica_set")
 
 
 class DataPartitioning:
@@ -105,6 +122,8 @@ class DataPartitioning:
             EscaleError: If ``batch_size`` is not a multiple of :attr:`data_mesh_size`, or if
                 the process's rows of the batch are not one contiguous part (the batch's mesh
                 axes put an axis inside processes before one across them).
+            EscaleTypeError: If ``batch_size`` is not a positive int (``EscaleError`` below 1),
+                or ``host_index`` not an int.
 
         Example:
             >>> from flax_escale import create_mesh
@@ -115,6 +134,8 @@ class DataPartitioning:
             >>> partitioner.get_data_layout().batch_size  # the 8 devices the batch is split over
             8
         """
+        if host_index is not None:
+            host_index = check.non_negative_int(host_index, "host_index")
         host = jax.process_index() if host_index is None else host_index
         chunker = (
             self.local_chunker
@@ -122,6 +143,7 @@ class DataPartitioning:
             else LocalChunker(self.mesh, process_index=host)
         )
         size = self.data_mesh_size if batch_size is None else batch_size
+        size = check.positive_int(size, "batch_size")
         if size % self.data_mesh_size:
             raise EscaleError(
                 f"batch_size {size} is not a multiple of the {self.data_mesh_size} devices "

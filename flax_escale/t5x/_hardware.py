@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from flax_escale.errors import MeshError
+from flax_escale.mesh import _validate as check
 
 __all__ = [
     "DATA_MODEL",
@@ -64,15 +65,23 @@ def get_coords(device: Any, *, local_device_count: int | None = None) -> Hardwar
         ``(x, y, z, core)`` for a TPU device (one with chip ``coords``); otherwise
         ``(process_index, id % local_device_count)``.
 
+    Raises:
+        EscaleTypeError: If ``device`` is not a device, or ``local_device_count`` not a
+            positive int.
+
     Example:
         >>> import jax
         >>> from flax_escale.t5x import get_coords
         >>> get_coords(jax.devices()[3])
         (0, 3)
     """
+    check.device(device, "device")
     if is_tpu_like(device):
         return (*(int(c) for c in device.coords), int(device.core_on_chip))
-    count = jax.local_device_count() if local_device_count is None else local_device_count
+    if local_device_count is None:
+        count = jax.local_device_count()
+    else:
+        count = check.positive_int(local_device_count, "local_device_count")
     return (int(device.process_index), int(device.id) % count)
 
 
@@ -95,12 +104,21 @@ def bounds_from_last_device(
         ``(x + 1, y + 1, z + 1, core_on_chip + 1)`` for a TPU device; otherwise
         ``(process_count, local_device_count)``.
 
+    Raises:
+        EscaleTypeError: If ``last_device`` is not a device (``None`` would otherwise read as
+            a box of this host's size), or a count is not a positive int.
+
     Example:
         >>> import jax
         >>> from flax_escale.t5x import bounds_from_last_device
         >>> bounds_from_last_device(jax.devices()[-1])
         (1, 8)
     """
+    check.device(last_device, "last_device")
+    if process_count is not None:
+        check.positive_int(process_count, "process_count")
+    if local_device_count is not None:
+        check.positive_int(local_device_count, "local_device_count")
     if is_tpu_like(last_device):
         x, y, z = (int(c) for c in last_device.coords)
         return (x + 1, y + 1, z + 1, int(last_device.core_on_chip) + 1)
@@ -112,7 +130,7 @@ def bounds_from_last_device(
 
 def device_tuple(devices: Sequence[Any] | None, backend: str | None = None) -> tuple[Any, ...]:
     """``devices``, or those of ``backend`` when ``None``; never empty."""
-    found = tuple(jax.devices(backend) if devices is None else devices)
+    found = check.devices_of(backend) if devices is None else check.devices(devices, "devices")
     if not found:
         raise MeshError("devices is empty: a mesh needs at least one device.")
     return found

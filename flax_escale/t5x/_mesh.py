@@ -16,6 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from flax_escale.errors import MeshError, NoMeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
 from flax_escale.t5x._hardware import (
     DATA_MODEL,
@@ -176,6 +177,8 @@ def default_mesh(
         MeshError: If only one of ``ici_mesh_shape`` and ``dcn_mesh_shape`` is given, if they
             do not fit the devices, or if t5x has no default for this hardware and
             ``num_partitions``.
+        EscaleTypeError: If ``num_partitions`` is not a positive int (``EscaleError`` below
+            1), ``devices`` not a sequence of devices or ``backend`` not a platform name.
 
     Example:
         >>> from flax_escale.t5x import default_mesh
@@ -184,6 +187,8 @@ def default_mesh(
         >>> dict(default_mesh(1, ici_mesh_shape=(1, 4, 2), dcn_mesh_shape=(1, 1, 1)).shape)
         {'replica': 1, 'data': 4, 'model': 2}
     """
+    if num_partitions is not None or (model_parallel_submesh is None and ici_mesh_shape is None):
+        num_partitions = check.positive_int(num_partitions, "num_partitions")
     devices = device_tuple(devices, backend)
     if (ici_mesh_shape is None) != (dcn_mesh_shape is None):
         raise MeshError(

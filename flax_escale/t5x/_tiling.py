@@ -12,11 +12,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from flax_escale.errors import EscaleTypeError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._chunks import process_blocks
 from flax_escale.t5x._hardware import (
     DATA_MODEL,
@@ -82,7 +82,9 @@ def get_mesh(
             their box, if a process's devices cannot be made contiguous (or may not be tiled),
             or if tiling by host needs a submesh entry that is neither a factor nor a multiple
             of the host's size.
-        EscaleTypeError: If ``model_parallel_submesh`` is not a sequence of sizes.
+        EscaleTypeError: If ``model_parallel_submesh`` is not a sequence of sizes, the
+            devices are not sequences of devices, or ``backend`` is not a platform name.
+        EscaleError: If ``backend`` names a platform JAX does not have here.
 
     Example:
         >>> from flax_escale.t5x import get_mesh
@@ -92,11 +94,12 @@ def get_mesh(
         >>> [d.id for d in mesh.devices[1]]
         [2, 3]
     """
-    devices = tuple(input_devices) or tuple(jax.devices(backend))
+    devices = check.devices(input_devices, "input_devices") or check.devices_of(backend)
+    local_devices = check.devices(input_local_devices, "input_local_devices")
     grid = hardware_grid(devices)
     names = TPU_AXES if grid.ndim == 4 else HOST_AXES
     submesh = _checked_submesh(model_parallel_submesh, grid.shape, names)
-    local = _local_bounds(grid, tuple(input_local_devices) or _first_process_devices(devices))
+    local = _local_bounds(grid, local_devices or _first_process_devices(devices))
     layout = _z_major(_Layout(grid, names, submesh, local))
     mesh_grid = _untiled(layout)
     scattered = _scattered_processes(mesh_grid)
