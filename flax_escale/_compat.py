@@ -10,7 +10,13 @@ from typing import Any
 from flax.core import spmd as _flax_spmd
 from jax.sharding import Mesh
 
-__all__ = ["coordination_client", "jax_cluster_env", "legacy_mesh", "rules_context_is_set"]
+__all__ = [
+    "coordination_client",
+    "jax_cluster_env",
+    "jax_trace_context",
+    "legacy_mesh",
+    "rules_context_is_set",
+]
 
 
 class _NoRulesSet(tuple):
@@ -85,3 +91,18 @@ def jax_cluster_env() -> Any:
     except (ImportError, AttributeError):
         return None
     return clusters.ClusterEnv
+
+
+def jax_trace_context() -> Any:
+    """The JAX configuration a traced program depends on, as a hashable value (``None`` if none).
+
+    ``jax.jit`` keys its own caches on it (``jax_enable_x64``, the PRNG implementation, default
+    matmul precision and the rest), so a cache of compiled programs must too.
+    """
+    # JAX has no public way to ask which of its settings a trace depends on; this is the value
+    # its jit caches use. Replace it with a public one once JAX has it.
+    try:
+        from jax._src.config import trace_context
+    except ImportError:
+        return None
+    return trace_context()

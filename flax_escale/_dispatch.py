@@ -90,9 +90,14 @@ def plan_sharding(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -
         *args: Example inputs (Linen) or constructor arguments (NNX).
         **kwargs: ``rules=`` (logical-axis rules, a ``PartitionAxis`` or pairs; defaults to
             Flax's rules context, then to ``PartitionAxis()``'s), ``strict=`` (raise on any
-            correction, logical name without a rule, or pattern that matched nothing), and
-            what the front end passes on (Linen: ``method=`` and ``model.init``'s keywords;
-            NNX: constructor keywords).
+            correction, logical name without a rule, or pattern that matched nothing),
+            ``overrides=`` (``{path pattern: logical axes}`` replacing the annotation of every
+            variable a pattern matches, the model's own included: how to correct a model
+            without editing its files), ``use_idle_axes=`` (default ``True``: a variable of
+            at least 1 MiB that the rules leave unsplit over a mesh axis other variables are
+            split over gets that axis on a dimension it divides, recorded in the plan; never
+            for activations), and what the front end passes on (Linen: ``method=``
+            and ``model.init``'s keywords; NNX: constructor keywords).
 
     Returns:
         The :class:`~flax_escale.ShardingPlan`: specs, shardings, corrections, ``describe()``.

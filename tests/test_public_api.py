@@ -48,8 +48,11 @@ EXPECTED = {
     ],
     "flax_escale.linen": [
         "ShardedMixin",
+        "clear_init_cache",
+        "init_cache_info",
         "init_sharded",
         "init_train_state",
+        "jit_train_step",
         "lower_init",
         "plan_sharding",
         "sharded_module",
@@ -57,6 +60,8 @@ EXPECTED = {
     "flax_escale.nnx": [
         "LOGICAL_AXES",
         "ShardedMixin",
+        "clear_init_cache",
+        "init_cache_info",
         "init_optimizer",
         "init_sharded",
         "lower_init",

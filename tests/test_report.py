@@ -64,7 +64,7 @@ def test_report_of_live_models_and_trees():
     state = fel.init_train_state(
         dense, mesh, jax.random.key(0), jnp.ones((2, 16)), tx=optax.adam(1e-3)
     )
-    state_report = fe.sharding_report(state, show=False)  # step (an int) is left out
+    state_report = fe.sharding_report(state, show=False)
     assert "params/kernel" in {r["path"] for r in state_report.rows()}
     with pytest.raises(fe.NoMeshError, match="pass mesh="):
         fe.sharding_report({"w": np.zeros(4)}, show=False)

@@ -8,7 +8,8 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_escale.axes._partition_axis import MeshAxes
-from flax_escale.errors import EscaleError
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = ["AxisNames", "standard_logical_axis_rules"]
@@ -37,8 +38,12 @@ class AxisNames(tuple):
     __slots__ = ()
 
     def __new__(cls, *names: str | None) -> AxisNames:
-        """Builds the tuple from the names given as separate arguments."""
-        return super().__new__(cls, names)
+        """Builds the tuple from the names given as separate arguments.
+
+        Raises:
+            EscaleTypeError: For an entry that is not a logical name, a tuple of names or None.
+        """
+        return super().__new__(cls, check.logical_names(names, "AxisNames"))
 
     def __eq__(self, other: object) -> bool:
         # t5x's users compare logical axes with PartitionSpecs of names (Flax's get_axis_names
@@ -114,8 +119,9 @@ def standard_logical_axis_rules(
 
     Raises:
         EscaleError: For dims other than 1 or 2.
-        EscaleTypeError: If ``data_axis`` or ``model_axis`` is not a mesh axis name, a tuple
-            of names or ``None``.
+        EscaleTypeError: For dims that are not ints, ``additional_rules`` that are not
+            ``(logical name, mesh axes)`` pairs, or a ``data_axis`` or ``model_axis`` that is
+            not a mesh axis name, a tuple of names or ``None``.
 
     Example:
         >>> from flax_escale.t5x import standard_logical_axis_rules
@@ -125,18 +131,32 @@ def standard_logical_axis_rules(
         [('batch', ('fsdp', 'dp')), ('vocab', 'tp')]
     """
     key = (activation_partitioning_dims, parameter_partitioning_dims)
-    if key not in _BY_DIMS:
-        raise EscaleError(
-            f"`activation_partitioning_dims` = {activation_partitioning_dims} "
-            f"`parameter_partitioning_dims` = {parameter_partitioning_dims} is not supported: "
-            "each must be 1 or 2."
+    # 1.0 or True would find the entry of 1: only ints are looked up.
+    ints = all(type(dims) is int for dims in key)
+    if not ints or key not in _BY_DIMS:
+        raise (EscaleError if ints else EscaleTypeError)(
+            f"`activation_partitioning_dims` = {activation_partitioning_dims!r} "
+            f"`parameter_partitioning_dims` = {parameter_partitioning_dims!r} is not supported: "
+            "each must be 1 or 2 (an int); pass e.g. standard_logical_axis_rules(1, 2)."
         )
+    extra = _additional(additional_rules)
     targets = {
         "data": _mesh_axes("data_axis", data_axis),
         "model": _mesh_axes("model_axis", model_axis),
     }
     standard = [(name, targets.get(target, target)) for name, target in _BY_DIMS[key]]
-    return [*standard, *_REPLICATED, *(additional_rules or ())]
+    return [*standard, *_REPLICATED, *extra]
+
+
+def _additional(rules: Any) -> tuple[tuple[str, MeshAxes], ...]:
+    if rules is None:
+        return ()
+    example = "[('expert', 'model')]"
+    pairs = check.pairs(rules, "additional_rules", "(logical name, mesh axes)", example)
+    for pair in pairs:
+        if pair[1] is not PartitionSpec.UNCONSTRAINED:
+            mesh_axes_of(pair[1], argument=f"additional_rules: the mesh axes of {pair!r}")
+    return pairs
 
 
 def _mesh_axes(argument: str, value: Any) -> MeshAxes:

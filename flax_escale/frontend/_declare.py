@@ -9,12 +9,13 @@ makes subclasses of a decorated class decorated too.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from flax_escale.frontend._patterns import AxesPatterns
 
-__all__ = ["DeclaringMixin", "Install", "declare", "record"]
+__all__ = ["DeclaringMixin", "Install", "declarations_version", "declare", "record"]
 
 Install = Callable[[type, Mapping[str, Sequence[str | None]] | None], None]
 
@@ -39,6 +40,9 @@ def declare(
     """
     if cls is None or isinstance(cls, Mapping):
         declared = cls if patterns is None else patterns
+        # Checked now, so that a malformed mapping is refused at the call, not when (or if)
+        # the decorator is applied to a class.
+        AxesPatterns.compile("sharded_module patterns", declared)
         return functools.partial(decorator, patterns=declared)
     if patterns is None and isinstance(cls, type) and issubclass(cls, mixin):
         return cls
@@ -55,11 +59,21 @@ def declare(
     return cls
 
 
+_version = itertools.count()
+_current = [next(_version)]
+
+
 def record(cls: type, patterns: Mapping[str, Sequence[str | None]] | None, attribute: str) -> None:
     """Compiles ``patterns`` onto ``cls`` as its ``attribute``, before those it inherits."""
     compiled = AxesPatterns.compile(cls.__qualname__, patterns)
     inherited = getattr(cls, attribute, None)
     setattr(cls, attribute, compiled if inherited is None else compiled.then(inherited))
+    _current[0] = next(_version)
+
+
+def declarations_version() -> int:
+    """A number that changes whenever a class is declared: what a compiled init depends on."""
+    return _current[0]
 
 
 class DeclaringMixin:

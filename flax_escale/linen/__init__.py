@@ -17,13 +17,18 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.linen._annotate import ShardedMixin, sharded_module
 from flax_escale.linen._init import init_sharded, init_train_state, lower_init, plan_sharding
+from flax_escale.linen._train import jit_train_step
 
 __all__ = [
     "ShardedMixin",
+    "clear_init_cache",
+    "init_cache_info",
     "init_sharded",
     "init_train_state",
+    "jit_train_step",
     "lower_init",
     "plan_sharding",
     "sharded_module",

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import flax.linen as nn
 from flax.core import meta
 
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.frontend import (
     AxesPatterns,
     DeclaringMixin,
@@ -27,6 +27,7 @@ from flax_escale.frontend import (
     record,
     unused_pattern_note,
 )
+from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = ["ShardedMixin", "annotating", "sharded_module"]
 
@@ -66,7 +67,11 @@ class Annotator:
         patterns = getattr(type(module), _PATTERNS, None)
         if patterns is not None:
             self.owners[path] = patterns
-        out = next_fun(*args, **kwargs)
+        try:
+            out = next_fun(*args, **kwargs)
+        except Exception:
+            _refuse_axis_named_twice(module, path)
+            raise
         self._annotate(module, path)
         return out
 
@@ -139,6 +144,25 @@ class Annotator:
             return "none annotated"
         shown = ", ".join(found[:4])
         return shown + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
+
+
+def _refuse_axis_named_twice(module: nn.Module, path: tuple[str, ...]) -> None:
+    # nn.with_partitioning(init, ("fsdp", "fsdp")) fails inside Flax, when the new parameter is
+    # unboxed, with JAX's DuplicateSpecError, which names neither the parameter nor a fix. The
+    # boxed parameter is stored by then: if one names a mesh axis twice, say which.
+    for name, value in module.variables.get("params", {}).items():
+        if not isinstance(value, nn.Partitioned) or isinstance(value, nn.LogicallyPartitioned):
+            continue
+        axes = [axis for entry in value.names for axis in mesh_axes_of(entry)]
+        twice = sorted({axis for axis in axes if axes.count(axis) > 1})
+        if twice:
+            where = "params/" + "/".join((*path, name))
+            raise EscaleError(
+                f"parameter {where}: its nn.with_partitioning names {tuple(value.names)!r} name "
+                f"mesh axis {twice[0]!r} more than once; each mesh axis may appear once in a "
+                "parameter's names: pass it for one dimension and None (or another axis) for "
+                "the others."
+            ) from None
 
 
 @contextlib.contextmanager

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.frontend import Overrides, apply_overrides
+from flax_escale.frontend._init_cache import run_cached
 from flax_escale.linen._annotate import annotating
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import assert_same_mesh
-from flax_escale.resolve import RulesLike
+from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import (
     ShardingPlan,
     annotated_leaves,
@@ -36,6 +41,8 @@ def plan_sharding(
     *inputs: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> ShardingPlan:
@@ -52,10 +59,14 @@ def plan_sharding(
         *inputs: Example inputs for ``model.init``.
         rules: The logical-axis rules.
         strict: Raise instead of correcting.
+        overrides: ``{path pattern: logical axes}`` that replace the annotations of the
+            variables they match, the model's own included.
+        use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
         method: Passed to ``model.init``.
         **init_kwargs: Passed to ``model.init``.
     """
     _check_model(model)
+    _check_method(model, method)
     check.mesh(mesh)
     check.rng(rng)
     with use_sharding(mesh, rules) as frozen, annotating() as annotator:
@@ -63,7 +74,11 @@ def plan_sharding(
             _initializer(model, method, init_kwargs, unbox=False), rng, *inputs
         )
     treedef, items = annotated_leaves(abstract, sources=annotator.sources)
-    return build_plan(treedef, items, mesh, rules=frozen, strict=strict, notes=annotator.unused())
+    items, unused = apply_overrides(items, overrides)
+    notes = [*annotator.unused(), *unused]
+    return build_plan(
+        treedef, items, mesh, rules=frozen, strict=strict, notes=notes, use_idle_axes=use_idle_axes
+    )
 
 
 def init_sharded(
@@ -73,6 +88,8 @@ def init_sharded(
     *inputs: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> dict[str, Any]:
@@ -80,7 +97,9 @@ def init_sharded(
 
     :func:`flax_escale.init_sharded` for a Linen model (arguments as :func:`plan_sharding`).
     Annotation boxes are removed: every leaf is a plain ``jax.Array`` with a
-    ``NamedSharding``.
+    ``NamedSharding``. The compiled initializer is kept: the same model (by ``==``) on the
+    same mesh, with inputs of the same shapes, dtypes and shardings and the same options,
+    runs again without tracing or compiling (:func:`init_cache_info` tells hits and times).
 
     Example:
         >>> import flax.linen as nn
@@ -95,10 +114,36 @@ def init_sharded(
         >>> variables["params"]["kernel"].sharding.spec
         P(('fsdp', 'sp'), 'tp')
     """
-    lowered = lower_init(
-        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+    _check_model(model)
+    check.mesh(mesh)
+    check.rng(rng)
+    options = (
+        "linen",
+        mesh,
+        as_logical_rules(rules),
+        strict,
+        overrides,
+        use_idle_axes,
+        method,
+        init_kwargs,
     )
-    return lowered.compile()(rng, *inputs)
+
+    def build() -> jax.stages.Compiled:
+        lowered = lower_init(
+            model,
+            mesh,
+            rng,
+            *inputs,
+            rules=rules,
+            strict=strict,
+            overrides=overrides,
+            use_idle_axes=use_idle_axes,
+            method=method,
+            **init_kwargs,
+        )
+        return lowered.compile()
+
+    return run_cached(model, options, (rng, *inputs), build, lambda init: init(rng, *inputs))
 
 
 def lower_init(
@@ -108,6 +153,8 @@ def lower_init(
     *inputs: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> jax.stages.Lowered:
@@ -120,7 +167,16 @@ def lower_init(
     check.rng(rng)
     assert_same_mesh(mesh)
     plan = plan_sharding(
-        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+        model,
+        mesh,
+        rng,
+        *inputs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+        method=method,
+        **init_kwargs,
     )
     init = _initializer(model, method, init_kwargs, unbox=True)
     with use_sharding(mesh, rules):
@@ -135,6 +191,8 @@ def init_train_state(
     tx: optax.GradientTransformation,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     shard_over: Sequence[str] = (),
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
@@ -153,12 +211,16 @@ def init_train_state(
         tx: The optax transformation.
         rules: The logical-axis rules; see :func:`plan_sharding`.
         strict: Raise instead of correcting; see :func:`plan_sharding`.
+        overrides: Annotations to replace; see :func:`plan_sharding`.
+        use_idle_axes: See :func:`plan_sharding`.
         shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
         method: Passed to ``model.init``.
         **init_kwargs: Passed to ``model.init``.
 
     Returns:
-        The train state, at step 0.
+        The train state, at step 0. Every leaf is a ``jax.Array`` on the mesh, the step a
+        replicated ``int32`` scalar: the state has the types and shardings a jitted training
+        step returns, so the step compiles once, not again for its own output.
 
     Raises:
         EscaleError: If the model has variables besides ``params`` (a ``TrainState`` holds only
@@ -178,10 +240,21 @@ def init_train_state(
         ...                          tx=optax.adam(1e-3))
         >>> state.opt_state[0].mu["kernel"].sharding.spec  # tp=1 would split nothing
         P(('fsdp', 'sp'), None)
+        >>> state.step.dtype, state.step.sharding.spec
+        (dtype('int32'), P())
     """
     check.names(shard_over, "shard_over")
     variables = init_sharded(
-        model, mesh, rng, *inputs, rules=rules, strict=strict, method=method, **init_kwargs
+        model,
+        mesh,
+        rng,
+        *inputs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+        method=method,
+        **init_kwargs,
     )
     others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
     if others:
@@ -192,7 +265,10 @@ def init_train_state(
         )
     params = variables["params"]
     opt_state = init_opt_state(tx, params, shard_over=shard_over)
-    return TrainState(step=0, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
+    # A Python int would be traced as a weakly typed scalar, and the int32 array the first
+    # step returns would make a jitted step compile a second time.
+    step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
+    return TrainState(step=step, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
 
 
 def _check_model(model: Any) -> None:
@@ -201,6 +277,31 @@ def _check_model(model: Any) -> None:
             f"model must be a flax.linen.Module instance, got {model!r}; for an NNX model use "
             "flax_escale.nnx.init_sharded (or flax_escale.init_sharded, which dispatches)."
         )
+
+
+def _check_method(model: nn.Module, method: Any) -> None:
+    # Flax would say ApplyModuleInvalidMethodError for 3, and raise an AttributeError for the
+    # name of a method the class lacks.
+    if method is None or (callable(method) and not isinstance(method, str)):
+        return
+    cls = type(model)
+    if isinstance(method, str) and callable(getattr(cls, method, None)):
+        return
+    fields = {field.name for field in dataclasses.fields(cls)}
+    own = [
+        name
+        for name in dir(cls)
+        if (name == "__call__" or not (name.startswith("_") or hasattr(nn.Module, name)))
+        and name not in fields
+        and inspect.isfunction(getattr(cls, name, None))
+    ]
+    hint = f"pass one of its methods ({', '.join(map(repr, own))})" if own else "pass None"
+    if not isinstance(method, str):
+        raise EscaleTypeError(
+            f"method must be None, a function or the name of a method of {cls.__name__}, got "
+            f"{check.describe(method)}; {hint}."
+        )
+    raise EscaleError(f"method {method!r} is not a method of {cls.__name__}; {hint}.")
 
 
 def _initializer(

@@ -13,12 +13,15 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, sharded_module, stacked
 from flax_escale.nnx._init import init_optimizer, init_sharded, lower_init, plan_sharding
 
 __all__ = [
     "LOGICAL_AXES",
     "ShardedMixin",
+    "clear_init_cache",
+    "init_cache_info",
     "init_optimizer",
     "init_sharded",
     "lower_init",

@@ -19,7 +19,7 @@ from typing import Any
 
 from flax import nnx
 
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.frontend import (
     AxesPatterns,
     DeclaringMixin,
@@ -27,6 +27,7 @@ from flax_escale.frontend import (
     record,
     unused_pattern_note,
 )
+from flax_escale.mesh import _validate as check
 from flax_escale.sharding._annotation import LOGICAL_AXES
 
 __all__ = ["LOGICAL_AXES", "ShardedMixin", "collecting_unused", "sharded_module", "stacked"]
@@ -52,7 +53,15 @@ def stacked(name: str = "layers") -> dict[str, str]:
         >>> from flax_escale.nnx import stacked
         >>> stacked()
         {'partition_name': 'layers', 'logical_axes': 'layers'}
+
+    Raises:
+        EscaleTypeError: If ``name`` is not a string.
+        EscaleError: If it is empty.
     """
+    if not check.string(name, "stacked: name", "'layers'"):
+        raise EscaleError(
+            "stacked: name must be a non-empty logical axis name, got ''; pass e.g. 'layers'."
+        )
     return {nnx.PARTITION_NAME: name, LOGICAL_AXES: name}
 
 

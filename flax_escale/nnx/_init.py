@@ -11,10 +11,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError
+from flax_escale.frontend import Overrides, apply_overrides
+from flax_escale.frontend._init_cache import run_cached
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import assert_same_mesh
 from flax_escale.nnx._annotate import collecting_unused
-from flax_escale.resolve import RulesLike
+from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves, build_plan, use_sharding
 from flax_escale.sharding._optimizer import follow_shardings
 from flax_escale.sharding._paths import flatten_with_paths
@@ -29,6 +31,8 @@ def plan_sharding(
     *args: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     **kwargs: Any,
 ) -> ShardingPlan:
     """The sharding of every variable ``model(*args, rngs=..., **kwargs)`` would build.
@@ -45,9 +49,14 @@ def plan_sharding(
         *args: Constructor arguments.
         rules: The logical-axis rules.
         strict: Raise instead of correcting.
+        overrides: ``{path pattern: logical axes}`` that replace the annotations of the
+            variables they match (paths as ``blocks/0/kernel``), the model's own included.
+        use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
         **kwargs: Constructor keyword arguments.
     """
-    _, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
+    _, plan = _abstract_and_plan(
+        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+    )
     return plan
 
 
@@ -58,6 +67,8 @@ def init_sharded(
     *args: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     **kwargs: Any,
 ) -> nnx.Module:
     """Builds ``model(*args, rngs=nnx.Rngs(rng), **kwargs)`` with every variable born sharded.
@@ -67,7 +78,10 @@ def init_sharded(
     names stay in ``logical_axes``; an unsharded dimension keeps its logical name there, sent
     to ``None`` by the variable's ``sharding_rules``, so ``nnx.scan`` finds its ``layers``
     axis), and NNX's own ``nnx.get_partition_spec``, later ``nnx.jit`` / ``jax.jit`` steps and
-    eagerly sharded copies (optimizer state) all see the resolved sharding.
+    eagerly sharded copies (optimizer state) all see the resolved sharding. The compiled
+    constructor is kept: the same class or callable with the same arguments (by ``==``) on the
+    same mesh, with keys of the same kind and the same options, runs again without tracing or
+    compiling (:func:`init_cache_info` tells hits and times).
 
     Example:
         >>> from flax import nnx
@@ -83,9 +97,30 @@ def init_sharded(
         >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
         P(('fsdp', 'sp'), 'tp')
     """
-    graphdef, plan, init = _sharded_constructor(model, mesh, rng, args, kwargs, rules, strict)
-    with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
-        state = init(_as_keys(rng))
+    check.mesh(mesh)
+    check.rng(rng)
+    keys = _as_keys(rng)
+    options = (
+        "nnx",
+        mesh,
+        as_logical_rules(rules),
+        strict,
+        overrides,
+        use_idle_axes,
+        args,
+        kwargs,
+    )
+
+    def build() -> tuple[Any, ShardingPlan, jax.stages.Compiled]:
+        graphdef, plan, init = _sharded_constructor(
+            model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+        )
+        with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
+            return graphdef, plan, init.lower(keys).compile()
+
+    graphdef, plan, state = run_cached(
+        model, options, keys, build, lambda built: (*built[:2], built[2](keys))
+    )
     module = nnx.merge(graphdef, state)
     for entry, (_, variable) in zip(plan, _variables(module), strict=True):
         variable.set_metadata(**_sharding_metadata(entry))
@@ -99,13 +134,17 @@ def lower_init(
     *args: Any,
     rules: RulesLike = None,
     strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = True,
     **kwargs: Any,
 ) -> jax.stages.Lowered:
     """The sharded constructor :func:`init_sharded` runs, lowered: :func:`flax_escale.lower_init`.
 
     Arguments are :func:`plan_sharding`'s.
     """
-    _, _, init = _sharded_constructor(model, mesh, rng, args, kwargs, rules, strict)
+    _, _, init = _sharded_constructor(
+        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+    )
     with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
         return init.lower(_as_keys(rng))
 
@@ -118,11 +157,15 @@ def _sharded_constructor(
     kwargs: dict,
     rules: RulesLike,
     strict: bool,
+    overrides: Overrides | None,
+    use_idle_axes: bool,
 ) -> tuple[Any, ShardingPlan, Any]:
     check.mesh(mesh)
     check.rng(rng)
     assert_same_mesh(mesh)
-    abstract, plan = _abstract_and_plan(model, mesh, rng, args, kwargs, rules, strict)
+    abstract, plan = _abstract_and_plan(
+        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+    )
     graphdef, _ = nnx.split(abstract)
     create = _constructor(model, args, kwargs)
     init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
@@ -133,8 +176,7 @@ def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
     # The resolved mesh axes, except that an unsharded dimension keeps its logical name, mapped
     # to None by the variable's own sharding_rules: NNX's scan/vmap find their stacked axis name
     # ("layers") in out_sharding, and NNX's own lookup then still gives the resolved spec.
-    names = entry.annotation.logical_axes if entry.annotation is not None else None
-    names = names or (None,) * len(entry.shape)
+    names = entry.resolution.logical_axes or (None,) * len(entry.shape)
     spec = _pad(entry.spec, len(entry.shape))
     out_sharding = tuple(
         name if axes is None and isinstance(name, str) else axes
@@ -170,7 +212,7 @@ def init_optimizer(
 
     Raises:
         EscaleTypeError: If ``model`` is not an NNX module or its variables are not sharded on
-            one mesh.
+            one mesh, or ``tx`` is not an optax transformation.
 
     Example:
         >>> import optax
@@ -188,6 +230,7 @@ def init_optimizer(
     """
     if not isinstance(model, nnx.Module):
         raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
+    check.transformation(tx, "tx")
     graphdef, state = nnx.split(model)
     tracked = []
     for path, variable in _variables(model):
@@ -247,6 +290,8 @@ def _abstract_and_plan(
     kwargs: dict,
     rules: RulesLike,
     strict: bool,
+    overrides: Overrides | None,
+    use_idle_axes: bool,
 ) -> tuple[nnx.Module, ShardingPlan]:
     check.mesh(mesh)
     check.rng(rng)
@@ -257,7 +302,16 @@ def _abstract_and_plan(
     with nnx.use_eager_sharding(False), collecting_unused() as notes:
         abstract = nnx.eval_shape(create, rng)
     treedef, items = annotated_leaves(nnx.state(abstract))
-    plan = build_plan(treedef, items, mesh, rules=rules, strict=strict, notes=notes)
+    items, unused = apply_overrides(items, overrides)
+    plan = build_plan(
+        treedef,
+        items,
+        mesh,
+        rules=rules,
+        strict=strict,
+        notes=[*notes, *unused],
+        use_idle_axes=use_idle_axes,
+    )
     return abstract, plan
 
 

@@ -18,7 +18,7 @@ from flax_escale.sharding._inspect import (
 )
 from flax_escale.sharding._logical import constrain
 from flax_escale.sharding._optimizer import init_opt_state, opt_state_shardings
-from flax_escale.sharding._plan import PlanEntry, ShardingPlan, build_plan
+from flax_escale.sharding._plan import IDLE_AXES_MIN_BYTES, PlanEntry, ShardingPlan, build_plan
 from flax_escale.sharding._rules import (
     PartitionRuleError,
     create_pattern_based_partition_spec,
@@ -28,6 +28,7 @@ from flax_escale.sharding._transfer import make_shard_and_gather_fns, reshard_tr
 from flax_escale.sharding._tree import logical_to_mesh_sharding
 
 __all__ = [
+    "IDLE_AXES_MIN_BYTES",
     "Annotation",
     "MeshPartitionHelper",
     "PartitionRuleError",

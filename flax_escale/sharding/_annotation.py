@@ -25,6 +25,7 @@ from flax.linen import partitioning
 from jax.sharding import NamedSharding
 
 from flax_escale.axes import LogicalRules
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve import as_logical_rules
 from flax_escale.sharding._optimizer import follow_params
 from flax_escale.sharding._paths import flatten_with_paths, path_of
@@ -63,6 +64,12 @@ class Annotation:
     local_rules: LogicalRules = ()
     names_may_be_mesh_axes: bool = False
     follows: tuple[str, tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        # A string would read as one logical name per letter.
+        if self.logical_axes is not None:
+            names = check.logical_names(self.logical_axes, "Annotation: logical_axes")
+            object.__setattr__(self, "logical_axes", names)
 
     @property
     def axes(self) -> tuple[Any, ...]:
@@ -107,6 +114,8 @@ def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | Non
         >>> read_annotation(nn.Partitioned(jnp.zeros((8, 4)), ("fsdp", None))).mesh_axes
         ('fsdp', None)
     """
+    if source is not None:
+        check.string(source, "read_annotation: source", "'sharded_module'")
     if isinstance(leaf, nn.LogicallyPartitioned):
         rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
         return Annotation(
@@ -162,6 +171,9 @@ def annotated_leaves(
         The treedef (boxes and modules replaced by one entry) and ``[(path, value,
         annotation)]`` in flattening order.
 
+    Raises:
+        EscaleTypeError: If ``tree`` is a string, ``None``, a number, or a tree without arrays.
+
     Example:
         >>> import jax.numpy as jnp
         >>> from flax.linen import partitioning
@@ -172,7 +184,7 @@ def annotated_leaves(
         >>> [(path, a.logical_axes, a.source) for path, _, a in items]
         [('params/w', ('embed', 'mlp'), 'param_with_axes')]
     """
-    state = _as_state(tree)
+    state = check.tree_of_arrays(_as_state(tree), "annotated_leaves: tree")
     flat, treedef = flatten_with_paths(state)
     params_axes = _params_axes(state)
     sources = sources or {}

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
+from flax_escale.mesh import _validate as check
 from flax_escale.resolve import (
     Completion,
     Resolution,
@@ -208,7 +209,9 @@ def build_plan(
         ShardingResolutionError: In strict mode, if a spec had to be corrected or a logical
             name has no rule.
         EscaleError: In strict mode, if there are notes.
+        EscaleTypeError: If ``mesh`` is not a mesh.
     """
+    check.mesh(mesh)
     frozen = as_logical_rules(rules)
     resolved: dict[str, Resolution] = {}
     # Parameters first: optimizer state that follows one takes the spec it resolved to.

@@ -17,11 +17,12 @@ import jax
 from jax.sharding import Mesh
 
 from flax_escale.axes import LogicalRules, PartitionAxis, standard_logical_axis_rules
-from flax_escale.errors import MeshError
+from flax_escale.errors import EscaleError, MeshError
+from flax_escale.mesh import _validate as check
 from flax_escale.mesh import assert_same_mesh
 from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.sharding import use_sharding
+from flax_escale.sharding import ShardingPlan, use_sharding
 from flax_escale.sharding._transfer import as_named_sharding, is_spec_leaf
 from flax_escale.t5x._data import DataPartitioning
 from flax_escale.t5x._mesh import default_mesh
@@ -87,6 +88,8 @@ class Partitioner(DataPartitioning, StatePartitioning):
     Raises:
         MeshError: If no way to build a mesh is given, or ``mesh`` comes with mesh-building
             arguments, or ``model_parallel_submesh`` is not four sizes.
+        EscaleTypeError: If ``num_partitions`` is not an int, ``model_parallel_submesh`` not a
+            sequence of sizes, ``mesh`` not a mesh, or ``logical_axis_rules`` not rules.
 
     Example:
         >>> from flax_escale import create_mesh
@@ -111,6 +114,11 @@ class Partitioner(DataPartitioning, StatePartitioning):
         *,
         mesh: Mesh | None = None,
     ) -> None:
+        if num_partitions is not None:
+            num_partitions = check.positive_int(num_partitions, "num_partitions")
+        if model_parallel_submesh is not None:
+            model_parallel_submesh = check.sizes(model_parallel_submesh, "model_parallel_submesh")
+        check.optional_mesh(mesh, "mesh")
         builders = {
             "num_partitions": num_partitions,
             "model_parallel_submesh": model_parallel_submesh,
@@ -139,7 +147,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
         self._builders = builders
         self._backend = backend
         self._multi_slice = multi_slice
-        self._given_rules = logical_axis_rules
+        self._given_rules = _checked_rules(logical_axis_rules)
 
     @functools.cached_property
     def mesh(self) -> Mesh:
@@ -169,6 +177,29 @@ class Partitioner(DataPartitioning, StatePartitioning):
         if self._multi_slice:
             rules = [(n, ("replica", "data") if n == "batch" else a) for n, a in rules]
         return as_logical_rules(rules)
+
+    # The state side, with its argument checked first: a string or None would otherwise give
+    # None back (or an error from inside JAX). The documentation is the base class's.
+
+    def get_logical_axes(self, train_state: Any) -> Any:
+        return super().get_logical_axes(check.tree_of_arrays(train_state, "train_state"))
+
+    def get_mesh_axes(self, train_state: Any, *, strict: bool = False) -> Any:
+        tree = check.tree_of_arrays(train_state, "train_state")
+        return super().get_mesh_axes(tree, strict=strict)
+
+    def plan_sharding(self, train_state: Any, *, strict: bool = False) -> ShardingPlan:
+        tree = check.tree_of_arrays(train_state, "train_state")
+        return super().plan_sharding(tree, strict=strict)
+
+    def move_params_to_devices(self, train_state: Any, train_state_axes: Any) -> Any:
+        tree = check.tree_of_arrays(train_state, "train_state")
+        return super().move_params_to_devices(tree, train_state_axes)
+
+    get_logical_axes.__doc__ = StatePartitioning.get_logical_axes.__doc__
+    get_mesh_axes.__doc__ = StatePartitioning.get_mesh_axes.__doc__
+    plan_sharding.__doc__ = StatePartitioning.plan_sharding.__doc__
+    move_params_to_devices.__doc__ = StatePartitioning.move_params_to_devices.__doc__
 
     # Functions.
 
@@ -203,6 +234,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
             >>> double(jnp.arange(8.0)).sharding.spec
             P('fsdp',)
         """
+        check.callable_(fn, "fn", "pass the step function itself, e.g. partition(train_step, ...).")
         jitted = jax.jit(
             fn,
             in_shardings=self._shardings(in_axis_resources),
@@ -233,6 +265,16 @@ class Partitioner(DataPartitioning, StatePartitioning):
         return jax.tree.map(
             lambda r: as_named_sharding(r, self.mesh), resources, is_leaf=is_spec_leaf
         )
+
+
+def _checked_rules(rules: Any) -> LogicalRules | None:
+    # Refused here rather than on first use of the mesh, naming the argument.
+    if rules is None:
+        return None
+    try:
+        return as_logical_rules(rules)
+    except EscaleError as error:
+        raise type(error)(f"Partitioner: logical_axis_rules: {error}") from None
 
 
 def _check_rules_fit(rules: LogicalRules, mesh: Mesh) -> None:

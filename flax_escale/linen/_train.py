@@ -1,0 +1,92 @@
+"""A jitted Linen training step that keeps the train state in the layout it was planned in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from flax_escale.errors import EscaleTypeError
+
+__all__ = ["jit_train_step"]
+
+
+def jit_train_step(
+    step_fn: Callable[[Any, Any], Any],
+    state: Any,
+    *,
+    batch_sharding: Any = None,
+    has_aux: bool = False,
+) -> Any:
+    """``jax.jit(step_fn, donate_argnums=0)``, with the new state pinned to ``state``'s shardings.
+
+    A plain ``jax.jit`` step returns the state in the layout the compiler chose: specs
+    rewritten to an equivalent form (``P('fsdp',)`` for ``P(('fsdp', 'sp'), None)`` when
+    ``sp`` has size 1) and arrays the plan left replicated (biases, say) sometimes split, so
+    the specs after a step are not the ones the plan showed and the second step compiles again
+    for the new layout. Here the state's input and output shardings are those of ``state``:
+    every step runs the program compiled for the first, and the state keeps its plan's specs.
+    The state's buffers are donated (the new state reuses them). Call the step inside
+    :func:`~flax_escale.use_sharding` when the model constrains activations by logical names.
+
+    Args:
+        step_fn: ``step_fn(state, batch)``, returning the new state (of the same structure as
+            ``state``), or ``(new_state, aux)`` with ``has_aux``.
+        state: The train state, as :func:`init_train_state` builds it; only its arrays'
+            shardings are read (``jax.ShapeDtypeStruct`` leaves with a sharding do too).
+        batch_sharding: The batch's sharding: a ``jax.sharding.Sharding`` for every array of
+            the batch (such as :func:`~flax_escale.batch_sharding`'s) or a tree of them shaped
+            like a prefix of the batch. ``None`` leaves the batch where it is.
+        has_aux: Whether ``step_fn`` returns ``(new_state, aux)``; ``aux`` (the loss, metrics)
+            is laid out by the compiler.
+
+    Returns:
+        The jitted step, called as ``step(state, batch)``; ``jax.jit``'s ``lower`` and
+        ``trace`` work on it too.
+
+    Raises:
+        EscaleTypeError: If a leaf of ``state`` is not an array with a sharding (a step of
+            ``0``, say, as ``TrainState.create`` makes it).
+
+    Example:
+        >>> import flax.linen as nn
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import optax
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale.linen import init_train_state, jit_train_step
+        >>> model = nn.Dense(16, use_bias=False, kernel_init=nn.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+        >>> x = jnp.ones((4, 8))
+        >>> state = init_train_state(model, create_mesh((1, 4, 1, 2, 1)), jax.random.key(0), x,
+        ...                          tx=optax.sgd(0.1))
+        >>> def step(state, x):
+        ...     loss, grads = jax.value_and_grad(
+        ...         lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+        ...     return state.apply_gradients(grads=grads), loss
+        >>> train_step = jit_train_step(step, state, has_aux=True)
+        >>> for _ in range(3):
+        ...     state, loss = train_step(state, x)
+        >>> int(state.step), state.params["kernel"].sharding.spec
+        (3, P(('fsdp', 'sp'), 'tp'))
+    """
+    shardings = jax.tree_util.tree_map_with_path(_sharding_of, state)
+    return jax.jit(
+        step_fn,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None) if has_aux else shardings,
+        donate_argnums=0,
+    )
+
+
+def _sharding_of(path: Any, leaf: Any) -> jax.sharding.Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise EscaleTypeError(
+            f"jit_train_step: state{jax.tree_util.keystr(path)} is {leaf!r}, not an array with "
+            "a sharding; build the state with flax_escale.linen.init_train_state, or put every "
+            "leaf on the mesh (jax.device_put(jnp.asarray(leaf, jnp.int32), NamedSharding(mesh, "
+            "PartitionSpec())) for a step) before jitting."
+        )
+    return sharding
