@@ -8,8 +8,13 @@ run:
 1. Per-device bytes, from ``compiled.memory_analysis()``, of both example models on 1, 2, 4 and
    8 devices (``fsdp`` = the device count): the naive path's device 0 must hold every parameter
    (the output of the unsharded ``jax.jit(init)``) before it can shard them; ``lower_init`` gives
-   the sharded init's bytes per device. Printed with the ratio and the distance to total / devices.
-2. Peak host memory (``ru_maxrss``, in a fresh process each) of a larger Llama (about 165 MB of
+   the sharded init's bytes per device. Printed with the ratio and the distance to total / devices,
+   and the sharded init's temporaries and peak (outputs + temporaries) against total / devices.
+2. Llama-7B (32 layers, real widths) compiled ahead of time on 8 devices, nothing allocated:
+   outputs, temporaries and peak per device, labelled by backend. Temporaries depend on the
+   backend: XLA's CPU backend materializes an initializer's random bits before transforming them
+   (about three times a stacked array's shard while it is made), where a GPU fuses them.
+3. Peak host memory (``ru_maxrss``, in a fresh process each) of a larger Llama (about 165 MB of
    parameters) built on 8 CPU devices both ways. CPU devices live in host memory, so the naive
    path's whole copy on device 0 shows up there.
 """
@@ -21,6 +26,7 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -41,8 +47,17 @@ LARGE = nnx_llama.Config(
 )
 
 
+LLAMA_7B = nnx_llama.Config(
+    vocab=32000, hidden=4096, heads=32, kv_heads=32, head_dim=128, mlp=11008, layers=32
+)
+
+
+def memory(lowered: jax.stages.Lowered) -> Any:
+    return lowered.compile().memory_analysis()
+
+
 def output_bytes(lowered: jax.stages.Lowered) -> int:
-    return lowered.compile().memory_analysis().output_size_in_bytes
+    return memory(lowered).output_size_in_bytes
 
 
 def per_device_table(devices: list[jax.Device]) -> None:
@@ -58,21 +73,61 @@ def per_device_table(devices: list[jax.Device]) -> None:
             jax.jit(lambda k: nnx.state(nnx_llama.Llama(config, rngs=nnx.Rngs(k)))).lower(key)
         ),
     }
-    header = ("model", "devices", "naive B/device", "sharded B/device", "ratio", "vs ideal")
-    widths = (-10, 7, 15, 17, 6, 9)
+    header = (
+        "model",
+        "devices",
+        "naive B/device",
+        "sharded B/device",
+        "ratio",
+        "vs ideal",
+        "temp B",
+        "peak/ideal",
+    )
+    widths = (-10, 7, 15, 17, 6, 9, 12, 10)
     cells = zip(header, widths, strict=True)
     print(" ".join(f"{h:{'<' if w < 0 else '>'}{abs(w)}}" for h, w in cells))
     for count in (c for c in (1, 2, 4, 8) if c <= len(devices)):
         mesh = fe.create_mesh((1, count, 1, 1, 1), devices=devices[:count])
         sharded = {
-            "linen_gpt": output_bytes(fel.lower_init(gpt, mesh, key, tokens)),
-            "nnx_llama": output_bytes(fen.lower_init(nnx_llama.Llama, mesh, 0, config)),
+            "linen_gpt": memory(fel.lower_init(gpt, mesh, key, tokens)),
+            "nnx_llama": memory(fen.lower_init(nnx_llama.Llama, mesh, 0, config)),
         }
-        for model, size in sharded.items():
-            whole = naive[model]
+        for model, analysis in sharded.items():
+            whole, size = naive[model], analysis.output_size_in_bytes
+            temp = analysis.temp_size_in_bytes
             excess = size / (whole / count) - 1
             ratio = whole / size
-            print(f"{model:<10} {count:>7} {whole:>15,} {size:>17,} {ratio:>6.2f} {excess:>+9.1%}")
+            peak = (size + temp) / (whole / count)
+            print(
+                f"{model:<10} {count:>7} {whole:>15,} {size:>17,} {ratio:>6.2f} {excess:>+9.1%} "
+                f"{temp:>12,} {peak:>10.2f}"
+            )
+
+
+def real_shapes_table(devices: list[jax.Device]) -> None:
+    mesh = fe.create_mesh((1, len(devices), 1, 1, 1), devices=devices)
+    analysis = memory(fen.lower_init(nnx_llama.Llama, mesh, 0, LLAMA_7B))
+    ideal = (
+        4
+        * sum(
+            x.size
+            for x in jax.tree.leaves(
+                nnx.eval_shape(lambda: nnx_llama.Llama(LLAMA_7B, rngs=nnx.Rngs(0)))
+            )
+        )
+        / len(devices)
+    )
+    out, temp = analysis.output_size_in_bytes, analysis.temp_size_in_bytes
+    backend = devices[0].platform
+    print(
+        f"\nLlama-7B widths, {LLAMA_7B.layers} layers, {len(devices)} {backend} devices "
+        "(compiled only):"
+    )
+    print(
+        f"per {backend} device: outputs {out / 2**20:,.0f} MiB (total / devices "
+        f"{ideal / 2**20:,.0f} MiB), temporaries {temp / 2**20:,.0f} MiB, peak "
+        f"{(out + temp) / ideal:.2f}x total / devices"
+    )
 
 
 def child(path: str, devices: list[jax.Device]) -> None:
@@ -120,5 +175,6 @@ if __name__ == "__main__":
     else:
         print(backend_choice.describe(devices))
         per_device_table(devices)
+        real_shapes_table(devices)
         if args.devices == "cpu":  # the CPU devices live in host memory: measured there
             host_memory_table()

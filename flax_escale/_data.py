@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import _validate as check
+from flax_escale.mesh._axes import without_unit_explicit_axes
 from flax_escale.resolve import LogicalAxes, RulesLike, enforce, resolve_logical_axes
 
 __all__ = ["batch_sharding", "global_to_host_local", "host_local_to_global", "process_batch_slice"]
@@ -36,7 +37,8 @@ def batch_sharding(
 ) -> NamedSharding:
     """The sharding of a global batch of ``shape``, by logical names (default batch, sequence).
 
-    The names resolve with the shape and mesh like parameters do. What cannot apply (a batch
+    The names resolve with the shape and mesh like parameters do; on Explicit axes, those of
+    size 1 are left out of the spec (JAX would count them as splitting). What cannot apply (a batch
     size the data axes do not divide, a name without a rule) leaves that dimension whole on
     every device, and is never silent: it warns with
     :class:`~flax_escale.ShardingCorrectionWarning` naming the shape, spec and mesh, or raises
@@ -75,7 +77,8 @@ def batch_sharding(
     names = tuple(logical_axes) if logical_axes is not None else BATCH_AXES[: len(shape)]
     names = names + (None,) * (len(shape) - len(names))
     resolution = resolve_logical_axes(names, rules, shape=shape, mesh=mesh, strict=strict)
-    return NamedSharding(mesh, enforce(resolution, strict=strict).spec)
+    spec = enforce(resolution, strict=strict).spec
+    return NamedSharding(mesh, without_unit_explicit_axes(spec, mesh))
 
 
 def process_batch_slice(

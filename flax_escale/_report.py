@@ -277,6 +277,10 @@ class MemoryEstimate:
         alias_bytes: Outputs that reuse (donated) inputs.
         code_bytes: Generated code.
         device_bytes: The device's memory, if known.
+        backend: The platform the program was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``):
+            temporaries depend on it. XLA's CPU backend materializes the random numbers of an
+            initializer before transforming them, where an accelerator fuses them, so an init
+            compiled for CPU needs temporaries an accelerator does not.
     """
 
     argument_bytes: int
@@ -285,6 +289,7 @@ class MemoryEstimate:
     alias_bytes: int
     code_bytes: int
     device_bytes: int | None
+    backend: str = "unknown"
 
     @property
     def peak_bytes(self) -> int:
@@ -299,7 +304,7 @@ class MemoryEstimate:
     def __str__(self) -> str:
         verdict = {None: "device memory unknown", True: "fits", False: "does NOT fit"}[self.fits]
         return (
-            f"per device: arguments {format_bytes(self.argument_bytes)}, outputs "
+            f"per {self.backend} device: arguments {format_bytes(self.argument_bytes)}, outputs "
             f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)}, "
             f"aliased {format_bytes(self.alias_bytes)} -> peak {format_bytes(self.peak_bytes)} "
             f"({verdict})"
@@ -352,8 +357,9 @@ def will_it_fit(
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         compiled = jitted.lower(*args, **kwargs).compile()
     analysis = compiled.memory_analysis()
+    device = _device_of(compiled)
     if device_bytes is None:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = device.memory_stats() or {}
         device_bytes = stats.get("bytes_limit")
     return MemoryEstimate(
         argument_bytes=int(analysis.argument_size_in_bytes),
@@ -362,4 +368,13 @@ def will_it_fit(
         alias_bytes=int(analysis.alias_size_in_bytes),
         code_bytes=int(analysis.generated_code_size_in_bytes),
         device_bytes=device_bytes,
+        backend=device.platform,
     )
+
+
+def _device_of(compiled: jax.stages.Compiled) -> jax.Device:
+    # A device the program runs on, from its shardings (the default device for none).
+    for sharding in jax.tree.leaves((compiled.output_shardings, compiled.input_shardings)):
+        if isinstance(sharding, jax.sharding.Sharding):
+            return next(iter(sharding.device_set))
+    return jax.devices()[0]

@@ -59,7 +59,7 @@ def test_main_job_plans_trains_and_reports_memory(capsys, api):
     losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
     out = capsys.readouterr().out
     assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
-    assert "train step per device: arguments" in out
+    assert "train step per cpu device: arguments" in out
     assert "parameters + optimizer state" in out
     assert losses[-1] < losses[0]
 

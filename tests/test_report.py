@@ -14,6 +14,7 @@ from rich.console import Console
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
+from flax_escale.sharding._plan import format_bytes
 
 
 @fen.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
@@ -117,3 +118,25 @@ def test_will_it_fit_reads_the_compiled_memory():
     compiled = fe.will_it_fit(step.lower(x).compile())
     assert compiled.peak_bytes >= compiled.argument_bytes
     assert "peak" in str(compiled)
+    assert compiled.backend == "cpu"
+    assert str(compiled).startswith("per cpu device: arguments 128.00 KiB")
+
+
+def test_will_it_fit_labels_an_init_with_its_temporaries_and_backend():
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    model = nn.Dense(
+        1024,
+        use_bias=False,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
+        ),
+    )
+    lowered = fe.lower_init(model, mesh, jax.random.key(0), jnp.ones((2, 1024)))
+    estimate = fe.will_it_fit(lowered)
+    assert estimate.output_bytes == 1024 * 1024 * 4 // 8
+    # XLA's CPU backend materializes the random bits before transforming them.
+    assert estimate.temp_bytes > 0
+    assert estimate.peak_bytes == estimate.argument_bytes + estimate.output_bytes + (
+        estimate.temp_bytes
+    )
+    assert f"temporaries {format_bytes(estimate.temp_bytes)}" in str(estimate)

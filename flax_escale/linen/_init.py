@@ -19,7 +19,7 @@ from flax_escale.frontend import Overrides, apply_overrides
 from flax_escale.frontend._init_cache import run_cached
 from flax_escale.linen._annotate import annotating
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import assert_same_mesh
+from flax_escale.mesh import assert_same_mesh, with_auto_axes
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import (
     ShardingPlan,
@@ -69,7 +69,9 @@ def plan_sharding(
     _check_method(model, method)
     check.mesh(mesh)
     check.rng(rng)
-    with use_sharding(mesh, rules) as frozen, annotating() as annotator:
+    # Under the Auto twin: Flax's boxes constrain each parameter as the model reads it, which
+    # on Explicit axes would assert the unsharded value's sharding instead.
+    with use_sharding(with_auto_axes(mesh), rules) as frozen, annotating() as annotator:
         abstract = jax.eval_shape(
             _initializer(model, method, init_kwargs, unbox=False), rng, *inputs
         )
@@ -179,7 +181,8 @@ def lower_init(
         **init_kwargs,
     )
     init = _initializer(model, method, init_kwargs, unbox=True)
-    with use_sharding(mesh, rules):
+    # Traced under the mesh's Auto twin: values bit-equal to jax.jit(model.init).
+    with use_sharding(with_auto_axes(mesh), rules):
         return jax.jit(init, out_shardings=plan.shardings()).lower(rng, *inputs)
 
 

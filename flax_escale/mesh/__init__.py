@@ -10,6 +10,7 @@ from flax_escale.mesh._context import (
     get_incontext_mesh,
     get_mesh_axis_names,
     names_in_current_mesh,
+    with_auto_axes,
 )
 from flax_escale.mesh._cpu import cpu_context, force_cpu
 from flax_escale.mesh._creation import (
@@ -49,4 +50,5 @@ __all__ = [
     "parse_mesh_shape",
     "peer_loss_as_mesh_error",
     "resolve_axis_dims",
+    "with_auto_axes",
 ]

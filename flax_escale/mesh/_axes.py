@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError
 
-__all__ = ["MeshAxisNames", "mesh_axes_of"]
+__all__ = ["MeshAxisNames", "mesh_axes_of", "without_unit_explicit_axes"]
 
 MeshAxisNames = str | Sequence[str] | None
 """One mesh axis name, several (their sizes multiply), or ``None`` (no axis, size 1)."""
@@ -56,3 +56,35 @@ def mesh_axes_of(entry: Any, *, argument: str = "a PartitionSpec entry") -> tupl
         f"{argument} must be None, a mesh axis name, or a tuple or list of mesh axis names; "
         f"got {type(entry).__name__} {entry!r}."
     )
+
+
+def without_unit_explicit_axes(spec: PartitionSpec, mesh: Any) -> PartitionSpec:
+    """``spec`` without the ``Explicit`` mesh axes of size 1.
+
+    On Explicit axes an array's type records the axes it is split over, and JAX counts a size-1
+    axis as one: a cumulative sum over a dimension "split" over ``sp`` of size 1 is refused. The
+    placement is the same without them. Auto axes are left as they are.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale.mesh._axes import without_unit_explicit_axes
+        >>> mesh = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
+        >>> without_unit_explicit_axes(P(("fsdp", "dp"), "sp"), mesh)
+        P('fsdp', None)
+    """
+    unit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit and mesh.shape[name] == 1
+    }
+    if not unit:
+        return spec
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in mesh_axes_of(entry) if a not in unit)
+        if entry is PartitionSpec.UNCONSTRAINED or kept == mesh_axes_of(entry):
+            entries.append(entry)
+        else:
+            entries.append(kept[0] if len(kept) == 1 else kept or None)
+    return PartitionSpec(*entries)

@@ -19,6 +19,7 @@ __all__ = [
     "get_incontext_mesh",
     "get_mesh_axis_names",
     "names_in_current_mesh",
+    "with_auto_axes",
 ]
 
 
@@ -156,3 +157,22 @@ def get_axes_size_in_mesh(
 def as_axis_name_tuple(axis_names: MeshAxisNames) -> tuple[str, ...]:
     """:func:`~flax_escale.mesh._axes.mesh_axes_of`, for an argument called ``axis_names``."""
     return mesh_axes_of(axis_names, argument="axis_names")
+
+
+def with_auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis ``Auto``: the same devices and names, for tracing initializers.
+
+    Under a mesh with ``Explicit`` axes JAX adds a sharding to every intermediate value, which
+    changes how XLA fuses an initializer's arithmetic and so its rounding; traced under the Auto
+    twin (outputs still placed on ``mesh``), the values are bit-equal to ``jax.jit(init)``.
+
+    Example:
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale.mesh import with_auto_axes
+        >>> explicit = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
+        >>> auto = with_auto_axes(explicit)
+        >>> auto.devices.tolist() == explicit.devices.tolist(), set(map(str, auto.axis_types))
+        (True, {'AxisType.Auto'})
+    """
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return mesh if tuple(mesh.axis_types) == auto else mesh.update(axis_types=auto)

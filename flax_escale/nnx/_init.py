@@ -14,7 +14,7 @@ from flax_escale.errors import EscaleTypeError
 from flax_escale.frontend import Overrides, apply_overrides
 from flax_escale.frontend._init_cache import run_cached
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import assert_same_mesh
+from flax_escale.mesh import assert_same_mesh, with_auto_axes
 from flax_escale.nnx._annotate import collecting_unused
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves, build_plan, use_sharding
@@ -112,11 +112,10 @@ def init_sharded(
     )
 
     def build() -> tuple[Any, ShardingPlan, jax.stages.Compiled]:
-        graphdef, plan, init = _sharded_constructor(
+        graphdef, plan, lowered = _lowered(
             model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
         )
-        with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
-            return graphdef, plan, init.lower(keys).compile()
+        return graphdef, plan, lowered.compile()
 
     graphdef, plan, state = run_cached(
         model, options, keys, build, lambda built: (*built[:2], built[2](keys))
@@ -142,14 +141,10 @@ def lower_init(
 
     Arguments are :func:`plan_sharding`'s.
     """
-    _, _, init = _sharded_constructor(
-        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
-    )
-    with use_sharding(mesh, rules), nnx.use_eager_sharding(False):
-        return init.lower(_as_keys(rng))
+    return _lowered(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)[2]
 
 
-def _sharded_constructor(
+def _lowered(
     model: Any,
     mesh: Mesh,
     rng: Any,
@@ -159,7 +154,7 @@ def _sharded_constructor(
     strict: bool,
     overrides: Overrides | None,
     use_idle_axes: bool,
-) -> tuple[Any, ShardingPlan, Any]:
+) -> tuple[Any, ShardingPlan, jax.stages.Lowered]:
     check.mesh(mesh)
     check.rng(rng)
     assert_same_mesh(mesh)
@@ -169,7 +164,9 @@ def _sharded_constructor(
     graphdef, _ = nnx.split(abstract)
     create = _constructor(model, args, kwargs)
     init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
-    return graphdef, plan, init
+    # Traced under the mesh's Auto twin: values bit-equal to jax.jit of the constructor.
+    with use_sharding(with_auto_axes(mesh), rules), nnx.use_eager_sharding(False):
+        return graphdef, plan, init.lower(_as_keys(rng))
 
 
 def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh._axes import without_unit_explicit_axes
 from flax_escale.resolve import enforce, resolve_mesh_axes
 from flax_escale.resolve._fit import mesh_axes_of
 
@@ -31,7 +32,7 @@ def _split_by_type(
         axes = mesh_axes_of(entry)
         explicit.append(tuple(a for a in axes if types[a] == AxisType.Explicit) or None)
         auto.append(tuple(a for a in axes if types[a] != AxisType.Explicit) or None)
-    return explicit, auto
+    return list(without_unit_explicit_axes(PartitionSpec(*explicit), mesh)), auto
 
 
 def _current_spec(x: Any) -> PartitionSpec:
