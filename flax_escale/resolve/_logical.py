@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
@@ -94,7 +94,26 @@ def resolve_logical_axes(
         except NoMeshError:
             mesh = None
     mesh_shape = None if mesh is None else tuple(mesh.shape.items())
-    resolution = _resolve(names, frozen_rules, None if shape is None else tuple(shape), mesh_shape)
+    shape = None if shape is None else tuple(shape)
+    return resolve_checked(names, frozen_rules, shape, mesh_shape, strict=strict, path=path)
+
+
+def resolve_checked(
+    names: tuple[Any, ...] | None,
+    rules: LogicalRules,
+    shape: tuple[int, ...] | None,
+    mesh_shape: tuple[tuple[str, int], ...] | None,
+    *,
+    strict: bool = False,
+    path: str | None = None,
+) -> Resolution:
+    """:func:`resolve_logical_axes` for arguments it has already checked.
+
+    For callers that resolve every array of a tree: the names are checked (an
+    :class:`~flax_escale.sharding.Annotation`'s), the rules frozen, the shape a tuple and the
+    mesh given as its ``(axis, size)`` pairs.
+    """
+    resolution = resolver(rules, mesh_shape).resolve(names, shape)
     if isinstance(resolution, str):
         raise ShardingResolutionError((f"parameter {path!r}: " if path else "") + resolution)
     if strict:
@@ -170,64 +189,213 @@ def logical_to_mesh_axes(
     return enforce(resolution, strict=strict).spec
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _resolve(
-    names: tuple[Any, ...] | None,
-    rules: LogicalRules,
-    shape: tuple[int, ...] | None,
-    mesh_shape: tuple[tuple[str, int], ...] | None,
-) -> Resolution | str:
-    # Returns an error message instead of raising, so that errors are not cached as results.
-    if names is None:
-        rank = 0 if shape is None else len(shape)
-        spec = PartitionSpec(*([None] * rank))
-        return Resolution(None, spec, shape, mesh_shape, spec)
-    repeated = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
-    if repeated:
-        return (
-            f"logical axes {names}: {repeated[0]!r} names more than one dimension; each logical "
-            "name can shard at most one dimension of an array. Give the dimensions distinct names."
-        )
-    if shape is not None and len(shape) < len(names):
-        return (
-            f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
-            f"{len(shape)}: give one logical name (or None) per dimension."
-        )
-    # Fewer names than dimensions is Flax's own short form (DenseGeneral calls its initializer
-    # on the flattened shape, so its annotation names two of the kernel's three dimensions):
-    # as in Flax, the dimensions left unnamed are unsharded.
-    padded = 0 if shape is None else len(shape) - len(names)
-    names = (*names, *(None,) * padded)
-    mesh = None if mesh_shape is None else dict(mesh_shape)
-    result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
-    used: set[str] = set()
-    passed: list[PassedOver] = []
-    for index, (name, target) in enumerate(rules):
-        if name not in names:
-            continue
-        dim = names.index(name)
-        axes = mesh_axes_of(target)
-        if result[dim] is not _FREE or used.intersection(axes):
-            continue
-        if _indivisible(axes, dim, shape, mesh):
-            passed.append(PassedOver(dim, name, axes, shape[dim]))
-            continue
-        if _trivial(axes, mesh) and any(n == name for n, _ in rules[index + 1 :]):
-            # Axes of total size 1 split nothing: leave the dimension to a later rule that may.
-            continue
-        result[dim] = target
-        used.update(axes)
-    rules_spec = PartitionSpec(*(None if r is _FREE else r for r in result))
-    known = {name for name, _ in rules}
-    # With no rules at all (an explicitly empty rules context) nothing is meant to be sharded.
-    unknown = tuple(n for n in names if isinstance(n, str) and n not in known) if rules else ()
-    spec, corrections = rules_spec, ()
-    if mesh is not None:
-        spec, corrections = fit_spec(rules_spec, shape, mesh)
-        corrections = _unplaced(result, passed, mesh) + corrections
-    return Resolution(
-        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown, padded
+@functools.lru_cache(maxsize=64)
+def resolver(rules: LogicalRules, mesh_shape: tuple[tuple[str, int], ...] | None) -> Resolver:
+    """The :class:`Resolver` for frozen ``rules`` on a mesh of ``mesh_shape`` (kept, per pair)."""
+    return Resolver(rules, mesh_shape)
+
+
+class Resolver:
+    """Resolution with one set of frozen rules on one mesh shape, doing repeated work once.
+
+    The rules are read once, into each logical name's rules in priority order with their mesh
+    axes' total size on the mesh. Per distinct logical axes, the rules that can apply are merged
+    once (Flax's priority order, restricted to the names present); per distinct ``(logical axes,
+    shape)``, the :class:`Resolution` is kept (up to :attr:`MEMO_SIZE` of them). Callers that
+    resolve many arrays fetch the resolver once (:func:`resolver`) and call :meth:`resolve` or
+    :meth:`spec_if_ok` per array, with names they have checked.
+    """
+
+    MEMO_SIZE = 1 << 16
+    __slots__ = (
+        "_by_name",
+        "_known",
+        "_memo",
+        "_mesh",
+        "_mesh_shape",
+        "_outcomes",
+        "_plans",
+        "_rules",
+        "_specs",
     )
+
+    def __init__(self, rules: LogicalRules, mesh_shape: tuple[tuple[str, int], ...] | None) -> None:
+        self._rules = rules
+        self._mesh_shape = mesh_shape
+        mesh = self._mesh = None if mesh_shape is None else dict(mesh_shape)
+        self._known = frozenset(name for name, _ in rules)
+        self._memo: dict[tuple[Any, Any], Resolution | str] = {}
+        self._plans: dict[tuple[Any, ...], _Plan | str] = {}
+        self._outcomes: dict[tuple[Any, ...], PartitionSpec | None] = {}
+        self._specs: dict[tuple[Any, ...], PartitionSpec] = {}
+        # Per logical name, its rules in order: (index, target, mesh axes, their total size on
+        # the mesh or None (no mesh, or an axis it lacks: left to fit_spec), whether fit_spec
+        # keeps the target as it is, whether it is trivial (total size 1) with a later rule for
+        # the same name to leave the dimension to).
+        by_name: dict[str, list[list[Any]]] = {}
+        for index, (name, target) in enumerate(rules):
+            axes = mesh_axes_of(target)
+            size = None
+            if mesh is not None and all(a in mesh for a in axes):
+                size = math.prod(mesh[a] for a in axes)
+            valid = size is not None and len(set(axes)) == len(axes)
+            by_name.setdefault(name, []).append([index, target, axes, size, valid, False])
+        for found in by_name.values():
+            for rule in found[:-1]:
+                rule[5] = rule[3] == 1 and bool(rule[2])
+        self._by_name = {name: [tuple(r) for r in found] for name, found in by_name.items()}
+
+    def resolve(
+        self, names: tuple[Any, ...] | None, shape: tuple[int, ...] | None
+    ) -> Resolution | str:
+        """The :class:`Resolution` of checked ``names`` for ``shape``, or an error message."""
+        key = (names, shape)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._resolve(names, shape)
+            if len(self._memo) >= self.MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
+
+    def spec_if_ok(
+        self, names: tuple[Any, ...] | None, shape: tuple[int, ...]
+    ) -> PartitionSpec | None:
+        """``resolve(names, shape).spec`` if that resolution is ``ok``, else ``None``.
+
+        What the rules give depends on the shape only through its rank and which of the
+        dimensions the candidate rules' mesh axes divide; the answer is kept per that, so arrays
+        of distinct shapes that divide alike cost no resolution each.
+        """
+        if names is None:
+            return self._spec((None,) * len(shape))
+        plan = self._plan(names)
+        if isinstance(plan, str) or plan.unknown or len(shape) < len(names):
+            return None  # an error, or a name without a rule: never ok
+        if plan.through:  # entries fit_spec must check against the sizes themselves
+            return self._spec_if_ok(names, shape)
+        key = (names, len(shape), *[shape[dim] % size == 0 for dim, size in plan.checks])
+        found = self._outcomes.get(key, _FREE)
+        if found is _FREE:
+            found = self._spec_if_ok(names, shape)
+            if len(self._outcomes) >= self.MEMO_SIZE:
+                self._outcomes.clear()
+            self._outcomes[key] = found
+        return found
+
+    def _spec_if_ok(self, names: tuple[Any, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+        resolution = self.resolve(names, shape)
+        return resolution.spec if isinstance(resolution, Resolution) and resolution.ok else None
+
+    def _spec(self, entries: tuple[Any, ...]) -> PartitionSpec:
+        spec = self._specs.get(entries)
+        if spec is None:
+            spec = self._specs[entries] = PartitionSpec(*entries)
+        return spec
+
+    def _plan(self, names: tuple[Any, ...]) -> _Plan | str:
+        plan = self._plans.get(names)
+        if plan is None:
+            plan = self._plans[names] = self._make_plan(names)
+        return plan
+
+    def _make_plan(self, names: tuple[Any, ...]) -> _Plan | str:
+        named = [n for n in names if isinstance(n, str)]
+        if len(set(named)) != len(named):
+            repeated = sorted({n for n in named if named.count(n) > 1})
+            return (
+                f"logical axes {names}: {repeated[0]!r} names more than one dimension; each "
+                "logical name can shard at most one dimension of an array. Give the dimensions "
+                "distinct names."
+            )
+        # Flax's priority semantics take the rules in order, each filling a dimension still
+        # free: only the rules of the names present can, merged back into rule order.
+        candidates = sorted(
+            (rule, dim)
+            for dim, name in enumerate(names)
+            if isinstance(name, str)
+            for rule in self._by_name.get(name, ())
+        )
+        # The divisions the answer depends on (by axes of size 1, always exact, it does not).
+        checks = tuple(
+            dict.fromkeys((dim, rule[3]) for rule, dim in candidates if (rule[3] or 1) > 1)
+        )
+        # With no rules at all (an explicitly empty rules context) nothing is meant to be
+        # sharded.
+        unknown = tuple(n for n in named if n not in self._known) if self._rules else ()
+        # Entries that are neither names nor unsharded pass through for fit_spec to check.
+        through = any(
+            not (n is None or n is PartitionSpec.UNCONSTRAINED or isinstance(n, str)) for n in names
+        )
+        return _Plan(tuple(candidates), checks, unknown, through)
+
+    def _resolve(
+        self, names: tuple[Any, ...] | None, shape: tuple[int, ...] | None
+    ) -> Resolution | str:
+        mesh_shape = self._mesh_shape
+        if names is None:
+            rank = 0 if shape is None else len(shape)
+            spec = self._spec((None,) * rank)
+            return Resolution(None, spec, shape, mesh_shape, spec)
+        plan = self._plan(names)
+        if isinstance(plan, str):
+            return plan
+        if shape is not None and len(shape) < len(names):
+            return (
+                f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
+                f"{len(shape)}: give one logical name (or None) per dimension."
+            )
+        # Fewer names than dimensions is Flax's own short form (DenseGeneral calls its
+        # initializer on the flattened shape, so its annotation names two of the kernel's three
+        # dimensions): as in Flax, the dimensions left unnamed are unsharded.
+        padded = 0 if shape is None else len(shape) - len(names)
+        if padded:
+            names = (*names, *(None,) * padded)
+        result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
+        used: set[str] = set()
+        passed: list[PassedOver] = []
+        # fit_spec keeps what the rules give when every target they place is valid on the mesh
+        # and no entry passes through: it need not run then.
+        fit = plan.through
+        for (_, target, axes, size, valid, trivial), dim in plan.candidates:
+            if result[dim] is not _FREE or not used.isdisjoint(axes):
+                continue
+            if size is not None and shape is not None and shape[dim] % size:
+                passed.append(PassedOver(dim, names[dim], axes, shape[dim]))
+                continue
+            if trivial:
+                # Axes of total size 1 split nothing: leave the dimension to a later rule.
+                continue
+            result[dim] = target
+            used.update(axes)
+            fit = fit or not valid
+        rules_spec = self._spec(tuple(None if r is _FREE else r for r in result))
+        spec, corrections = rules_spec, ()
+        mesh = self._mesh
+        if mesh is not None:
+            if fit:
+                spec, corrections = fit_spec(rules_spec, shape, mesh)
+            if passed:
+                corrections = _unplaced(result, passed, mesh) + corrections
+        return Resolution(
+            names,
+            spec,
+            shape,
+            mesh_shape,
+            rules_spec,
+            corrections,
+            tuple(passed),
+            plan.unknown,
+            padded,
+        )
+
+
+class _Plan(NamedTuple):
+    # How one set of logical axes resolves, whatever the shape.
+    candidates: tuple[tuple[tuple[Any, ...], int], ...]  # (rule, dim) in rule order
+    checks: tuple[tuple[int, int], ...]  # (dim, size): the divisions the answer depends on
+    unknown: tuple[str, ...]  # names without a rule
+    through: bool  # entries that pass through unresolved, for fit_spec
 
 
 def _unplaced(
@@ -253,21 +421,3 @@ def _unplaced(
         )
         for dim, group in sorted(found.items())
     )
-
-
-def _trivial(axes: tuple[str, ...], mesh: dict[str, int] | None) -> bool:
-    return (
-        mesh is not None
-        and bool(axes)
-        and all(a in mesh for a in axes)
-        and math.prod(mesh[a] for a in axes) == 1
-    )
-
-
-def _indivisible(
-    axes: tuple[str, ...], dim: int, shape: tuple[int, ...] | None, mesh: dict[str, int] | None
-) -> bool:
-    # Axes the mesh lacks are left to fit_spec, which records them as corrections.
-    if shape is None or mesh is None or not all(a in mesh for a in axes):
-        return False
-    return shape[dim] % math.prod(mesh[a] for a in axes) != 0

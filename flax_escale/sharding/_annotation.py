@@ -219,7 +219,8 @@ def arrays_only(
 
 def _as_state(tree: Any) -> Any:
     def graph(x: Any) -> bool:
-        return isinstance(x, (nnx.Module, nnx.Optimizer))
+        # Plain containers first: checking against NNX's classes goes through a metaclass hook.
+        return type(x) not in (dict, list, tuple) and isinstance(x, (nnx.Module, nnx.Optimizer))
 
     return jax.tree.map(lambda x: nnx.state(x) if graph(x) else x, tree, is_leaf=graph)
 
@@ -232,8 +233,10 @@ def _params_axes(tree: Any) -> dict[str, tuple[Any, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_axes)[0]
     found = {}
     for key_path, leaf in flat:
+        if not is_axes(leaf):  # (before the path: most leaves are arrays)
+            continue
         keys = path_of(key_path).split("/")
-        if not is_axes(leaf) or _PARAMS_AXES not in keys or not keys[-1].endswith(_AXES_SUFFIX):
+        if _PARAMS_AXES not in keys or not keys[-1].endswith(_AXES_SUFFIX):
             continue
         at = len(keys) - 1 - keys[::-1].index(_PARAMS_AXES)
         keys[at] = "params"
@@ -249,14 +252,16 @@ def _follow_params(
     # it, whatever that leaf's shape (Adafactor's factored statistics, its (1,) placeholders):
     # the names are right only where the shapes agree, so state leaves re-derive theirs from
     # the parameter they track, by the one rule for optimizer state.
+    # Unannotated state leaves follow too: beside t5x's `param_with_axes` (names in a separate
+    # collection) optax's state carries no names at all.
+    at = [i for i, (path, _, _) in enumerate(found) if _OPT_STATE in path.split("/")]
+    if not at:
+        return found
     params = [
         (path, tuple(np.shape(value)), a)
         for path, value, a in found
         if a is not None and _OPT_STATE not in path.split("/")
     ]
-    # Unannotated state leaves follow too: beside t5x's `param_with_axes` (names in a separate
-    # collection) optax's state carries no names at all.
-    at = [i for i, (path, _, _) in enumerate(found) if _OPT_STATE in path.split("/")]
     # The entries followed are the parameter's dimensions themselves: which ones a leaf keeps.
     followed = follow_params(
         [(found[i][0], np.shape(found[i][1])) for i in at],

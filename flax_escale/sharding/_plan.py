@@ -26,10 +26,10 @@ from flax_escale.resolve import (
     RulesLike,
     as_logical_rules,
     complete_spec,
-    resolve_logical_axes,
     resolve_mesh_axes,
 )
 from flax_escale.resolve._fit import Correction, mesh_axes_of
+from flax_escale.resolve._logical import resolve_checked
 from flax_escale.sharding._annotation import Annotation
 
 __all__ = ["IDLE_AXES_MIN_BYTES", "PlanEntry", "ShardingPlan", "build_plan", "format_bytes"]
@@ -290,17 +290,20 @@ def _resolve(
         spec = (*param.spec, *(None,) * (len(param.shape or ()) - len(param.spec)))
         kept = tuple(spec[d] for d in follows[1])
         return resolve_mesh_axes(kept, shape=shape, mesh=mesh, strict=strict, path=path)
+    # The annotation's names were checked when it was made, and the mesh and rules by the
+    # caller: resolve_checked skips checking them again for every array.
+    mesh_shape = tuple(mesh.shape.items())
     if annotation is None:
-        return resolve_logical_axes(None, shape=shape, mesh=mesh)
+        return resolve_checked(None, rules, shape, mesh_shape)
     if annotation.mesh_axes is not None:
         return resolve_mesh_axes(
             annotation.mesh_axes, shape=shape, mesh=mesh, strict=strict, path=path
         )
-    return resolve_logical_axes(
+    return resolve_checked(
         annotation.logical_axes,
         annotation.rules_with(rules, tuple(mesh.axis_names)),
-        shape=shape,
-        mesh=mesh,
+        shape,
+        mesh_shape,
         strict=strict,
         path=path,
     )
