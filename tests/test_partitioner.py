@@ -380,3 +380,33 @@ def test_move_params_to_devices_is_bit_exact(partitioner):
     assert kernel.addressable_shards[0].data.shape == (16 // 4, 32 // 2)
     for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(host), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_the_partitioner_puts_idle_axes_to_use_as_init_sharded_does():
+    # GPT-2-XL's token embedding: the vocabulary (50,257) divides neither tp nor (fsdp, sp).
+    embed = nn.Embed(
+        50257,
+        1600,
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(1.0), ("vocab", "hidden_state")
+        ),
+    )
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    abstract = jax.eval_shape(
+        lambda key: TrainState.create(
+            apply_fn=embed.apply, params=embed.init(key, tokens)["params"], tx=optax.adam(1e-3)
+        ),
+        jax.random.key(0),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fe.ShardingCorrectionWarning)  # the vocabulary's
+        used = Partitioner(mesh=mesh).get_mesh_axes(abstract)
+        idle = Partitioner(mesh=mesh, use_idle_axes=False).get_mesh_axes(abstract)
+        library = fe.plan_sharding(embed, mesh, jax.random.key(0), tokens)
+    assert used.params["embedding"] == P(None, ("tp", "fsdp"))
+    assert used.opt_state[0].mu["embedding"] == P(None, ("tp", "fsdp"))
+    assert library["params/embedding"].spec == used.params["embedding"]
+    assert idle.params["embedding"] == P(None, "tp")
+    with pytest.raises(fe.EscaleTypeError, match="use_idle_axes"):
+        Partitioner(mesh=mesh, use_idle_axes="no")

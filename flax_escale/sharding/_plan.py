@@ -198,7 +198,8 @@ def build_plan(
         strict: Raise at the first correction, unknown logical name or note, instead of warning.
         notes: Problems that concern no single array (strict mode raises on them too).
         use_idle_axes: Complete every variable of at least :data:`IDLE_AXES_MIN_BYTES` with
-            the mesh axes the plan's variables are split over somewhere but it is not (see
+            the mesh axes the plan's variables are split over somewhere, or its own names'
+            rules name, but it is not (see
             :func:`~flax_escale.resolve.complete_spec`); optimizer state follows its
             completed parameter.
 
@@ -222,7 +223,7 @@ def build_plan(
             path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
         )
     if use_idle_axes:
-        _complete(resolved, leading, mesh)
+        _complete(resolved, leading, mesh, frozen)
     for path, leaf, annotation in following:
         resolved[path] = _resolve(
             path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
@@ -255,16 +256,19 @@ def _complete(
     resolved: dict[str, Resolution],
     items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
     mesh: Mesh,
+    rules: LogicalRules,
 ) -> None:
-    # An axis the rules split some variable over is a parameter axis; one they split none over
-    # (data parallelism) stays a replica axis.
+    # A parameter axis is one the rules split some variable over, or one the rules of this
+    # variable's own names name (they meant to use it, and a shape kept them from it). An axis
+    # that only the batch's rules name (data parallelism) stays a replica axis.
     used = {a for r in resolved.values() for entry in r.spec for a in mesh_axes_of(entry)}
-    axes = [a for a in mesh.axis_names if a in used]
     for path, leaf, _ in items:
         if math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize < IDLE_AXES_MIN_BYTES:
             continue
         resolution = resolved[path]
         names = resolution.logical_axes or ()
+        meant = {a for name, target in rules if name in names for a in mesh_axes_of(target)}
+        axes = [a for a in mesh.axis_names if a in used or a in meant]
         keep = [dim for dim, name in enumerate(names) if name in STACKED_NAMES]
         spec, added = complete_spec(resolution.spec, tuple(leaf.shape), mesh.shape, axes, keep=keep)
         if added:

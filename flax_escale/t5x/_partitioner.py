@@ -84,6 +84,9 @@ class Partitioner(DataPartitioning, StatePartitioning):
         dcn_mesh_shape: Between-slices shape of a multi-slice mesh.
         logical_axis_rules: The rules, or a ``PartitionAxis``; see above for the default.
         mesh: A mesh to use instead of building one (any axes, e.g. from ``create_mesh``).
+        use_idle_axes: Put mesh axes the rules leave idle to use on parameters and optimizer
+            state of at least 1 MiB, as :func:`flax_escale.init_sharded` does (``False``: the
+            rules' specs exactly, as t5x gives them).
 
     Raises:
         MeshError: If no way to build a mesh is given, or ``mesh`` comes with mesh-building
@@ -113,6 +116,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
         logical_axis_rules: RulesLike | PartitionAxis = None,
         *,
         mesh: Mesh | None = None,
+        use_idle_axes: bool = True,
     ) -> None:
         if num_partitions is not None:
             num_partitions = check.positive_int(num_partitions, "num_partitions")
@@ -143,6 +147,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
                 "four sizes (x, y, z, core), e.g. (2, 2, 1, 2)."
             )
         self.params_on_devices = params_on_devices
+        self.use_idle_axes = check.flag(use_idle_axes, "use_idle_axes")
         self._mesh = mesh
         self._builders = builders
         self._backend = backend

@@ -28,11 +28,13 @@ __all__ = ["StatePartitioning"]
 class StatePartitioning:
     """Train states' layout on a mesh under logical-axis rules (the state half of a partitioner).
 
-    A base class: the class built on it provides ``mesh`` and ``logical_axis_rules``.
+    A base class: the class built on it provides ``mesh`` and ``logical_axis_rules``, and may
+    set ``use_idle_axes`` (see :func:`flax_escale.plan_sharding`).
     """
 
     mesh: Mesh
     logical_axis_rules: LogicalRules
+    use_idle_axes: bool = True
 
     def get_logical_axes(self, train_state: Any) -> Any:
         """The logical axes of every leaf of a train state, as ``AxisNames`` (``None`` if none).
@@ -133,5 +135,10 @@ class StatePartitioning:
     ) -> ShardingPlan:
         structure, arrays = arrays_only(treedef, items)
         return build_plan(
-            structure, arrays, self.mesh, rules=self.logical_axis_rules, strict=strict
+            structure,
+            arrays,
+            self.mesh,
+            rules=self.logical_axis_rules,
+            strict=strict,
+            use_idle_axes=self.use_idle_axes,
         )
