@@ -11,9 +11,11 @@ run:
    the sharded init's bytes per device. Printed with the ratio and the distance to total / devices,
    and the sharded init's temporaries and peak (outputs + temporaries) against total / devices.
 2. Llama-7B (32 layers, real widths) compiled ahead of time on 8 devices, nothing allocated:
-   outputs, temporaries and peak per device, labelled by backend. Temporaries depend on the
-   backend: XLA's CPU backend materializes an initializer's random bits before transforming them
-   (about three times a stacked array's shard while it is made), where a GPU fuses them.
+   outputs, temporaries and peak per device, labelled by backend, with the layer stack made
+   one layer at a time (``fen.stack_layers``, as the example does) and all at once
+   (``nnx.vmap``). Temporaries depend on the backend: XLA's CPU backend materializes an
+   initializer's random bits before transforming them (about three times a stacked array's
+   shard while it is made), where a GPU fuses them.
 3. Peak host memory (``ru_maxrss``, in a fresh process each) of a larger Llama (about 165 MB of
    parameters) built on 8 CPU devices both ways. CPU devices live in host memory, so the naive
    path's whole copy on device 0 shows up there.
@@ -25,6 +27,7 @@ import argparse
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,30 +107,57 @@ def per_device_table(devices: list[jax.Device]) -> None:
             )
 
 
+class VmappedLlama(nnx_llama.Llama):
+    """The example's Llama with its stack made by nnx.vmap: every layer's draws at once."""
+
+    def __init__(self, c: nnx_llama.Config, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(c.vocab, c.hidden, rngs=rngs)
+
+        @nnx.split_rngs(splits=c.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=fen.stacked())
+        def make(rngs: nnx.Rngs) -> nnx_llama.Block:
+            return nnx_llama.Block(c, rngs=rngs)
+
+        self.blocks = make(rngs)
+        self.final_norm = nnx.RMSNorm(c.hidden, rngs=rngs)
+        self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
+
+
 def real_shapes_table(devices: list[jax.Device]) -> None:
     mesh = fe.create_mesh((1, len(devices), 1, 1, 1), devices=devices)
-    analysis = memory(fen.lower_init(nnx_llama.Llama, mesh, 0, LLAMA_7B))
-    ideal = (
-        4
-        * sum(
-            x.size
-            for x in jax.tree.leaves(
-                nnx.eval_shape(lambda: nnx_llama.Llama(LLAMA_7B, rngs=nnx.Rngs(0)))
-            )
-        )
-        / len(devices)
-    )
-    out, temp = analysis.output_size_in_bytes, analysis.temp_size_in_bytes
+    abstract = nnx.eval_shape(lambda: nnx_llama.Llama(LLAMA_7B, rngs=nnx.Rngs(0)))
+    ideal = 4 * sum(x.size for x in jax.tree.leaves(abstract)) / len(devices)
     backend = devices[0].platform
     print(
         f"\nLlama-7B widths, {LLAMA_7B.layers} layers, {len(devices)} {backend} devices "
-        "(compiled only):"
+        f"(compiled only; the Llama's total / devices {ideal / 2**20:,.0f} MiB):"
     )
-    print(
-        f"per {backend} device: outputs {out / 2**20:,.0f} MiB (total / devices "
-        f"{ideal / 2**20:,.0f} MiB), temporaries {temp / 2**20:,.0f} MiB, peak "
-        f"{(out + temp) / ideal:.2f}x total / devices"
+    gpt = linen_gpt.Gpt(
+        linen_gpt.Config(
+            vocab=LLAMA_7B.vocab,
+            hidden=LLAMA_7B.hidden,
+            heads=LLAMA_7B.heads,
+            head_dim=LLAMA_7B.head_dim,
+            mlp=LLAMA_7B.mlp,
+            layers=LLAMA_7B.layers,
+            max_len=2048,
+        )
     )
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    stacks = {
+        "NNX, fen.stack_layers": lambda: fen.lower_init(nnx_llama.Llama, mesh, 0, LLAMA_7B),
+        "NNX, nnx.vmap": lambda: fen.lower_init(VmappedLlama, mesh, 0, LLAMA_7B),
+        "Linen GPT, nn.scan": lambda: fel.lower_init(gpt, mesh, jax.random.key(0), tokens),
+    }
+    for stack, lower in stacks.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT's learned positions: (2048, 4096) is fine
+            analysis = memory(lower())
+        out, temp = analysis.output_size_in_bytes, analysis.temp_size_in_bytes
+        print(
+            f"  {stack:<22} per {backend} device: outputs {out / 2**20:,.0f} MiB, "
+            f"temporaries {temp / 2**20:,.0f} MiB, peak {(out + temp) / out:.2f}x its outputs"
+        )
 
 
 def child(path: str, devices: list[jax.Device]) -> None:

@@ -126,12 +126,9 @@ class Llama(nnx.Module):
     def __init__(self, c: Config, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(c.vocab, c.hidden, rngs=rngs)
 
-        @nnx.split_rngs(splits=c.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=fen.stacked())
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(c, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        # One layer at a time (nnx.scan): the same values as an nnx.vmap stack, with the init's
+        # CPU temporaries one layer's instead of the whole stack's.
+        self.blocks = fen.stack_layers(lambda rngs: Block(c, rngs=rngs), c.layers, rngs)
         self.final_norm = nnx.RMSNorm(c.hidden, rngs=rngs)
         self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
 

@@ -67,6 +67,7 @@ EXPECTED = {
         "lower_init",
         "plan_sharding",
         "sharded_module",
+        "stack_layers",
         "stacked",
     ],
 }

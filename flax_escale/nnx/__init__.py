@@ -16,6 +16,7 @@ Example:
 from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, sharded_module, stacked
 from flax_escale.nnx._init import init_optimizer, init_sharded, lower_init, plan_sharding
+from flax_escale.nnx._stack import stack_layers
 
 __all__ = [
     "LOGICAL_AXES",
@@ -27,5 +28,6 @@ __all__ = [
     "lower_init",
     "plan_sharding",
     "sharded_module",
+    "stack_layers",
     "stacked",
 ]

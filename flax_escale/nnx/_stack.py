@@ -1,0 +1,76 @@
+"""Layer stacks built one layer at a time, for an init whose peak stays near its outputs.
+
+The usual NNX stack, ``nnx.vmap`` over split keys, draws every layer's random numbers at once.
+An accelerator fuses them into the initializers' arithmetic; XLA's CPU backend materializes
+them, so a sharded init compiled for CPU needs about 1.5 times its outputs again in temporaries
+(Llama-7B widths on 8 devices: 3,213 MiB of parameters and 4,720 MiB of temporaries per
+device). Made by ``nnx.scan`` instead, one layer is drawn at a time, with the same keys and so
+the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from flax import nnx
+
+from flax_escale.errors import EscaleTypeError
+from flax_escale.mesh import _validate as check
+from flax_escale.nnx._annotate import stacked
+
+__all__ = ["stack_layers"]
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def stack_layers(
+    make: Callable[[nnx.Rngs], M], count: int, rngs: nnx.Rngs, *, name: str = "layers"
+) -> M:
+    """``count`` layers made by ``make``, stacked along a leading ``name`` axis, one at a time.
+
+    The same module, with the same values, as ``nnx.split_rngs(splits=count)`` and
+    ``nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=stacked(name))`` applied to
+    ``make``; built by ``nnx.scan``, so that an initializer compiled for CPU draws one layer's
+    random numbers at a time (Llama-7B widths on 8 CPU devices: peak 1.12x the parameters per
+    device instead of 2.47x). Run it with ``nnx.scan(..., transform_metadata=stacked(name))``
+    as a vmapped stack.
+
+    Args:
+        make: Builds one layer from its ``nnx.Rngs``.
+        count: The number of layers.
+        rngs: The streams the layers' keys are split from (as ``nnx.split_rngs`` does).
+        name: The stacked axis's logical name (unsharded by the default rules).
+
+    Returns:
+        The stacked module.
+
+    Raises:
+        EscaleTypeError: If ``make`` is not callable, ``count`` not a positive int or ``rngs``
+            not an ``nnx.Rngs``.
+
+    Example:
+        >>> from flax import nnx
+        >>> from flax_escale.nnx import stack_layers, stacked
+        >>> def make(rngs):
+        ...     return nnx.Linear(8, 8, rngs=rngs)
+        >>> blocks = stack_layers(make, 4, nnx.Rngs(0))
+        >>> @nnx.split_rngs(splits=4)
+        ... @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=stacked())
+        ... def vmapped(rngs):
+        ...     return make(rngs)
+        >>> kernel, same = blocks.kernel.get_value(), vmapped(nnx.Rngs(0)).kernel.get_value()
+        >>> kernel.shape, bool((kernel == same).all())
+        ((4, 8, 8), True)
+    """
+    check.callable_(make, "make", "pass a function that builds one layer from its rngs")
+    count = check.positive_int(count, "count")
+    if not isinstance(rngs, nnx.Rngs):
+        raise EscaleTypeError(f"rngs must be an nnx.Rngs, got {check.describe(rngs)}.")
+
+    @nnx.split_rngs(splits=count)
+    @nnx.scan(in_axes=(0,), out_axes=0, transform_metadata=stacked(name), length=count)
+    def build(rngs: nnx.Rngs) -> M:
+        return make(rngs)
+
+    return build(rngs)
