@@ -170,6 +170,18 @@ def logical_names(value: Any, argument: str) -> tuple[Any, ...]:
     return items
 
 
+def _not_one_value(value: Any, argument: str, what: str, string_hint: str) -> None:
+    # A bare int or a string where a sequence of ints is expected: say what to pass instead.
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        raise EscaleTypeError(
+            f"{argument} must be {what}, got the int {value!r}; pass ({value!r},)."
+        )
+    if isinstance(value, str):
+        raise EscaleTypeError(
+            f"{argument} must be {what}, got the string {value!r}; {string_hint}."
+        )
+
+
 def sizes(value: Any, argument: str) -> tuple[Any, ...]:
     """A tuple of sizes from a sequence of them; a bare int is refused.
 
@@ -180,15 +192,12 @@ def sizes(value: Any, argument: str) -> tuple[Any, ...]:
         EscaleTypeError: For an int (``8``: pass ``(8,)``), a string, ``None``, or an entry
             that is not an integer.
     """
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        raise EscaleTypeError(
-            f"{argument} must be a sequence of sizes, got the int {value!r}; pass ({value!r},)."
-        )
-    if isinstance(value, str):
-        raise EscaleTypeError(
-            f"{argument} must be a sequence of sizes, got the string {value!r}; pass a tuple "
-            "of ints such as (2, 4), or parse the string with parse_mesh_from_string."
-        )
+    _not_one_value(
+        value,
+        argument,
+        "a sequence of sizes",
+        "pass a tuple of ints such as (2, 4), or parse the string with parse_mesh_from_string",
+    )
     items = _sequence(value, argument, "sizes", "(2, 4)")
     for item in items:
         if isinstance(item, (bool, str, bytes)) or item is None:
@@ -316,16 +325,7 @@ def shape(value: Any, argument: str) -> tuple[int, ...]:
             f"{type(value).__name__} of shape {tuple(value.shape)}; pass its .shape, "
             f"{tuple(value.shape)}."
         )
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        raise EscaleTypeError(
-            f"{argument} must be a shape (a tuple of ints), got the int {value!r}; pass "
-            f"({value!r},)."
-        )
-    if isinstance(value, str):
-        raise EscaleTypeError(
-            f"{argument} must be a shape (a tuple of ints), got the string {value!r}; pass "
-            "e.g. (16, 128)."
-        )
+    _not_one_value(value, argument, "a shape (a tuple of ints)", "pass e.g. (16, 128)")
     items = _sequence(value, argument, "ints (a shape)", "(16, 128)")
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
