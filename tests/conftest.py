@@ -16,6 +16,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
+# Messages show specs with JAX's repr, which older JAX (the supported lower bound) spells
+# PartitionSpec(...) where newer JAX writes P(...); the tests match the newer spelling, so on
+# older JAX the repr is given that spelling (as test_doctests' checker does for docstrings).
+if repr(jax.sharding.PartitionSpec()).startswith("PartitionSpec("):
+    _spec_repr = jax.sharding.PartitionSpec.__repr__
+    jax.sharding.PartitionSpec.__repr__ = lambda spec: "P(" + _spec_repr(spec)[14:]
+
 
 @pytest.fixture(scope="session")
 def devices() -> list[jax.Device]:

@@ -119,31 +119,12 @@ def init_sharded(
     _check_model(model)
     check.mesh(mesh)
     check.rng(rng)
-    options = (
-        "linen",
-        mesh,
-        as_logical_rules(rules),
-        strict,
-        overrides,
-        use_idle_axes,
-        method,
-        init_kwargs,
-    )
+    planning = _planning(rules, strict, overrides, use_idle_axes, method)
+    # The rules in their frozen form: the same rules given as lists or by context key alike.
+    options = ("linen", mesh, {**planning, "rules": as_logical_rules(rules)}, init_kwargs)
 
     def build() -> jax.stages.Compiled:
-        lowered = lower_init(
-            model,
-            mesh,
-            rng,
-            *inputs,
-            rules=rules,
-            strict=strict,
-            overrides=overrides,
-            use_idle_axes=use_idle_axes,
-            method=method,
-            **init_kwargs,
-        )
-        return lowered.compile()
+        return lower_init(model, mesh, rng, *inputs, **planning, **init_kwargs).compile()
 
     return run_cached(model, options, (rng, *inputs), build, lambda init: init(rng, *inputs))
 
@@ -168,18 +149,8 @@ def lower_init(
     check.mesh(mesh)
     check.rng(rng)
     assert_same_mesh(mesh)
-    plan = plan_sharding(
-        model,
-        mesh,
-        rng,
-        *inputs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-        method=method,
-        **init_kwargs,
-    )
+    planning = _planning(rules, strict, overrides, use_idle_axes, method)
+    plan = plan_sharding(model, mesh, rng, *inputs, **planning, **init_kwargs)
     init = _initializer(model, method, init_kwargs, unbox=True)
     # Traced under the mesh's Auto twin: values bit-equal to jax.jit(model.init).
     with use_sharding(with_auto_axes(mesh), rules):
@@ -247,18 +218,8 @@ def init_train_state(
         (dtype('int32'), P())
     """
     check.names(shard_over, "shard_over")
-    variables = init_sharded(
-        model,
-        mesh,
-        rng,
-        *inputs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-        method=method,
-        **init_kwargs,
-    )
+    planning = _planning(rules, strict, overrides, use_idle_axes, method)
+    variables = init_sharded(model, mesh, rng, *inputs, **planning, **init_kwargs)
     others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
     if others:
         raise EscaleError(
@@ -272,6 +233,19 @@ def init_train_state(
     # step returns would make a jitted step compile a second time.
     step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
     return TrainState(step=step, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
+
+
+def _planning(
+    rules: RulesLike, strict: bool, overrides: Overrides | None, use_idle_axes: bool, method: Any
+) -> dict[str, Any]:
+    # The keywords every entry point hands on to the next one, in one place.
+    return {
+        "rules": rules,
+        "strict": strict,
+        "overrides": overrides,
+        "use_idle_axes": use_idle_axes,
+        "method": method,
+    }
 
 
 def _check_model(model: Any) -> None:
