@@ -24,6 +24,7 @@ from flax.training.train_state import TrainState
 
 import flax_escale as fe
 from flax_escale import linen as fel
+from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 
@@ -136,6 +137,22 @@ def loss_fn(params, apply_fn, tokens):
 def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, jax.Array]:
     loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, tokens)
     return state.apply_gradients(grads=grads), loss
+
+
+def workload(config: Config = Config(), batch: int = 16) -> Workload:
+    """The model, AdamW and ``train_step`` on batches of ``batch`` sequences, for ``plan_mesh``.
+
+    ``python -m flax_escale plan linen_gpt:workload --devices 8 --memory 4MiB`` (from
+    ``examples/``) ranks the meshes of 8 devices for it.
+    """
+    return Workload(
+        Gpt(config),
+        jax.random.key(0),
+        (jax.ShapeDtypeStruct((batch, config.max_len), jnp.int32),),
+        tx=optax.adamw(3e-3),
+        batch=(jax.ShapeDtypeStruct((batch, config.max_len + 1), jnp.int32),),
+        step=train_step,
+    )
 
 
 def main(argv: list[str] | None = None) -> list[float]:

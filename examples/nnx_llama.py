@@ -24,6 +24,7 @@ from flax import nnx
 
 import flax_escale as fe
 from flax_escale import nnx as fen
+from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 
@@ -154,6 +155,23 @@ def train_step(model: Llama, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     optimizer.update(model, grads)
     return loss
+
+
+def workload(config: Config = Config(), batch: int = 16, length: int = 33) -> Workload:
+    """The model, AdamW and ``train_step`` on ``batch`` sequences of ``length`` tokens.
+
+    What :func:`flax_escale.planning.plan_mesh` compiles on every candidate mesh;
+    ``python -m flax_escale plan nnx_llama:workload --devices 8 --memory 4MiB`` (from
+    ``examples/``) prints its plan.
+    """
+    return Workload(
+        Llama,
+        0,
+        (config,),
+        tx=optax.adamw(3e-3),
+        batch=(jax.ShapeDtypeStruct((batch, length), jnp.int32),),
+        step=train_step,
+    )
 
 
 def main(argv: list[str] | None = None) -> list[float]:

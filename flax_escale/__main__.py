@@ -4,6 +4,8 @@ Subcommands:
 
 - ``launch``: run a script as several processes of one job on this machine
   (:mod:`flax_escale._launch`).
+- ``plan``: rank the meshes of N devices for a workload by memory and estimated step time
+  (:func:`flax_escale.planning.plan_mesh`).
 
 Each subcommand is a function that adds its arguments to a subparser and sets ``run``, the
 function that carries it out and returns the exit code.
@@ -15,7 +17,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from flax_escale import _launch
+from rich.console import Console
+
+from flax_escale import _launch, planning
+from flax_escale.errors import EscaleError
+from flax_escale.planning import PROFILES
 
 
 def _add_launch(subparsers: argparse._SubParsersAction) -> None:
@@ -61,6 +67,64 @@ def _run_launch(args: argparse.Namespace) -> int:
     )
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="rank the meshes of N devices for a workload by memory and step time",
+        description=(
+            "Compile the workload that FACTORY returns (a flax_escale.planning.Workload) on "
+            "every candidate mesh of DEVICES simulated CPU devices, ahead of time, and print "
+            "the meshes ranked: per-device peak memory against the budget, collective bytes "
+            "per step, estimated step time on the hardware profile, and the create_mesh call "
+            "of the best one."
+        ),
+    )
+    parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
+    parser.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    parser.add_argument(
+        "--memory", default=None, help="per-device budget, like 16GiB (default: the profile's)"
+    )
+    parser.add_argument(
+        "--profile", default="h100", help=f"hardware profile: {', '.join(PROFILES)} (default h100)"
+    )
+    parser.add_argument("--flops", type=float, help="custom profile: peak FLOP/s per device")
+    parser.add_argument(
+        "--bandwidth", type=float, help="custom profile: interconnect bytes/s per device"
+    )
+    parser.add_argument(
+        "--latency", type=float, default=0.0, help="custom profile: seconds per collective"
+    )
+    parser.add_argument("--axes", default=None, help="mesh axes to plan over, like dp,fsdp,tp")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds to compile for")
+    parser.add_argument("--top", type=int, default=None, help="rows to show (default all)")
+    parser.add_argument("--no-cache", action="store_true", help="compile every candidate again")
+    parser.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    profile: str | planning.HardwareProfile = args.profile
+    if args.flops is not None or args.bandwidth is not None:
+        if args.flops is None or args.bandwidth is None:
+            raise EscaleError("plan: a custom profile needs both --flops and --bandwidth.")
+        profile = planning.HardwareProfile("custom", args.flops, args.bandwidth, args.latency)
+    # Wide enough for the table when the output is a log rather than a terminal.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    plan = planning.plan_mesh(
+        args.workload,
+        devices=args.devices,
+        memory=args.memory,
+        profile=profile,
+        axes=args.axes.split(",") if args.axes else None,
+        time_budget=args.time_budget,
+        cache=not args.no_cache,
+        progress=Console(stderr=True),
+    )
+    console.print(plan.table(args.top))
+    console.print(plan.recommendation(), markup=False, highlight=False)
+    console.print(planning.ESTIMATE_TERMS, style="dim", highlight=False)
+    return 0 if plan.best is not None else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m flax_escale``, with one subparser per subcommand.
 
@@ -72,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="subcommands", dest="command", required=True)
     _add_launch(subparsers)
+    _add_plan(subparsers)
     return parser
 
 

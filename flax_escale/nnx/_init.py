@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -54,7 +54,7 @@ def plan_sharding(
         use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
         **kwargs: Constructor keyword arguments.
     """
-    _, plan = _abstract_and_plan(
+    _, plan = abstract_and_plan(
         model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
     )
     return plan
@@ -158,7 +158,7 @@ def _lowered(
     check.mesh(mesh)
     check.rng(rng)
     assert_same_mesh(mesh)
-    abstract, plan = _abstract_and_plan(
+    abstract, plan = abstract_and_plan(
         model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
     )
     graphdef, _ = nnx.split(abstract)
@@ -225,6 +225,42 @@ def init_optimizer(
         >>> opt.opt_state[0].mu["wi"]["kernel"].get_value().sharding.spec  # tp=1 splits nothing
         P(('fsdp', 'sp', 'dp'), None)
     """
+    layout = optimizer_layout(model, tx, wrt=wrt, shard_over=shard_over)
+    with nnx.use_eager_sharding(False):
+        init = jax.jit(lambda s: nnx.state(layout.make(s)), out_shardings=layout.shardings)
+        opt_state = init(layout.state)
+    return nnx.merge(layout.graphdef, opt_state)
+
+
+class OptimizerLayout(NamedTuple):
+    """What :func:`init_optimizer` builds an optimizer from, before building it.
+
+    Attributes:
+        make: Builds the optimizer from the model's state.
+        state: The model's state.
+        graphdef: The optimizer's graph definition.
+        abstract: The optimizer's state, as ``jax.ShapeDtypeStruct`` leaves.
+        shardings: The sharding of every leaf of ``abstract``.
+    """
+
+    make: Callable[[Any], nnx.Optimizer]
+    state: Any
+    graphdef: Any
+    abstract: Any
+    shardings: Any
+
+
+def optimizer_layout(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    *,
+    wrt: Any = nnx.Param,
+    shard_over: Sequence[str] = (),
+) -> OptimizerLayout:
+    """The optimizer :func:`init_optimizer` would build, traced only; arguments are its own.
+
+    The model's variables may hold arrays or ``jax.ShapeDtypeStruct`` with shardings.
+    """
     if not isinstance(model, nnx.Module):
         raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
     check.transformation(tx, "tx")
@@ -249,8 +285,7 @@ def init_optimizer(
         abstract = nnx.eval_shape(make, state)
         opt_graphdef, abstract_state = nnx.split(abstract)
         shardings = follow_shardings(abstract_state, tracked, meshes.pop(), shard_over=shard_over)
-        opt_state = jax.jit(lambda s: nnx.state(make(s)), out_shardings=shardings)(state)
-    return nnx.merge(opt_graphdef, opt_state)
+    return OptimizerLayout(make, state, opt_graphdef, abstract_state, shardings)
 
 
 def _constructor(model: Any, args: tuple, kwargs: dict) -> Callable[[Any], nnx.Module]:
@@ -279,7 +314,7 @@ def _as_keys(rng: Any) -> Any:
     return jax.random.key(rng) if isinstance(rng, int) else rng
 
 
-def _abstract_and_plan(
+def abstract_and_plan(
     model: Any,
     mesh: Mesh,
     rng: Any,

@@ -1,0 +1,47 @@
+"""The child process in which :func:`~flax_escale.planning.plan_mesh` has more devices.
+
+Started as ``python -m flax_escale.planning._child`` with the request as JSON on standard
+input; it gives itself the requested number of simulated CPU devices before JAX starts,
+builds the workload from its reference, and writes each event of the evaluation as one line of
+standard output (prefixed, so that the workload's own prints pass through).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read())
+    import jax
+
+    # Before anything starts a backend: this process exists to have this many devices.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", request["devices"])
+
+    from flax_escale.planning._evaluate import evaluate
+    from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
+
+    def report(event: dict[str, Any]) -> None:
+        print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+    workload = _build(request["workload"])
+    rules = frozen_rules(workload.rules)
+    report({"event": "rules", "rules": rules})
+    evaluate(
+        workload,
+        jax.devices("cpu")[: request["devices"]],
+        memory_bytes=request["memory_bytes"],
+        axes=request["axes"],
+        time_budget=request["time_budget"],
+        cache_dir=Path(request["cache_dir"]) if request["cache_dir"] else None,
+        report=report,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""``plan_mesh``: which mesh of N devices fits a workload, and which is fastest, on one machine."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from flax_escale.axes import PartitionAxis
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
+from flax_escale.planning._evaluate import Figures, evaluate
+from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
+from flax_escale.planning._result import MeshPlan
+from flax_escale.planning._workload import Workload
+from flax_escale.resolve import as_logical_rules
+
+__all__ = ["DEFAULT_CACHE", "load_factory", "plan_mesh"]
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flax_escale"
+"""Where compiled candidates' figures are kept by default (``plan`` under it)."""
+
+# Lines of the child's standard output that carry an event start with this; any other line is
+# the workload's own output and is passed on to standard error.
+EVENT_PREFIX = "flax_escale.plan "
+
+Factory = Callable[[], Workload]
+
+
+def plan_mesh(
+    workload: Workload | Factory | str,
+    *,
+    devices: int,
+    memory: int | str | None = None,
+    profile: str | HardwareProfile = "h100",
+    axes: Sequence[str] | None = None,
+    time_budget: float | None = None,
+    cache: bool | str | os.PathLike[str] = True,
+    progress: bool | Console = False,
+) -> MeshPlan:
+    """Ranks the meshes of ``devices`` devices for a workload by memory and estimated step time.
+
+    Every layout of the devices over ``axes`` is planned (:func:`~flax_escale.plan_sharding`)
+    and pruned when it cannot run as asked (the batch does not divide over its data axes) or
+    when an axis of it would split nothing (those devices would only repeat the work). Each
+    remaining mesh's sharded init and training step are compiled ahead of time, nothing
+    allocated, on simulated CPU devices; the figures are read from the compiled programs:
+    per-device peak memory (``memory_analysis()``, temporaries included), FLOPs and the bytes
+    each collective moves per step (loop trips counted). A mesh whose train state alone
+    exceeds the budget is not compiled. The meshes that fit are ranked by an estimated step
+    time on ``profile`` (:data:`~flax_escale.planning.ESTIMATE_TERMS` says which terms).
+
+    More devices than this process has are planned in a child process started with that
+    many simulated CPU devices (this process's JAX is untouched); the workload then has to be
+    importable by the child: pass its factory as ``"module:function"`` (or
+    ``"path/to/file.py:function"``) or as a module-level function.
+
+    Args:
+        workload: A :class:`Workload`, or a function without arguments returning one, or its
+            ``"module:function"`` reference.
+        devices: N, the devices to plan for.
+        memory: One device's memory budget: bytes, or a size like ``"16GiB"``. Defaults to
+            the profile's memory.
+        profile: A hardware profile or the name of a built-in one
+            (:data:`~flax_escale.planning.PROFILES`).
+        axes: The mesh axes to spread the devices over; defaults to ``dp, fsdp, tp, sp`` and
+            ``ep`` when a variable has a logical axis the rules map to ``ep``.
+        time_budget: Seconds; once spent, the meshes not yet compiled are reported as
+            skipped rather than compiled.
+        cache: Keep each compiled candidate's figures on disk, keyed by its lowered programs
+            and the JAX version, so a second plan does not compile again: ``True`` (under
+            ``$XDG_CACHE_HOME/flax_escale/plan``), a directory, or ``False``.
+        progress: Show a progress bar (on standard error, or on the ``rich`` console given).
+
+    Returns:
+        The :class:`~flax_escale.planning.MeshPlan`: ``best``, ``fitting``, ``candidates``,
+        ``table()``, ``recommendation()``.
+
+    Raises:
+        EscaleError: For a budget or profile that cannot be used, or if the child process
+            fails (its last output lines are in the message).
+        EscaleTypeError: For arguments of the wrong type, or a workload the child process
+            could not import.
+    """
+    devices = check.positive_int(devices, "devices")
+    profile = hardware_profile(profile)
+    if memory is None and profile.memory_bytes is None:
+        raise EscaleError(
+            f"memory: the profile {profile.name!r} has no memory size; pass memory='16GiB'."
+        )
+    memory_bytes = parse_bytes(memory if memory is not None else profile.memory_bytes, "memory")
+    if axes is not None:
+        axes = check.names(axes, "axes")
+    if time_budget is not None:
+        time_budget = check.non_negative_number(time_budget, "time_budget")
+    cache_dir = _cache_dir(cache)
+    console = progress if isinstance(progress, Console) else Console(stderr=True)
+    shown = progress is not False
+    request = {
+        "devices": devices,
+        "memory_bytes": memory_bytes,
+        "axes": list(axes) if axes is not None else None,
+        "time_budget": time_budget,
+        "cache_dir": str(cache_dir) if cache_dir is not None else None,
+    }
+    start = time.perf_counter()
+    with _Events(console, shown, devices, time_budget) as events:
+        if devices <= len(jax.devices("cpu")):
+            built = _build(workload)
+            figures = evaluate(
+                built,
+                jax.devices("cpu")[:devices],
+                memory_bytes=memory_bytes,
+                axes=axes,
+                time_budget=time_budget,
+                cache_dir=cache_dir,
+                report=events,
+            )
+        else:
+            built = None
+            _run_child(_reference(workload), request, events, console)
+            figures = events.figures
+    return MeshPlan.rank(
+        figures,
+        profile,
+        devices=devices,
+        memory_bytes=memory_bytes,
+        rules=frozen_rules(built.rules) if built is not None else events.rules,
+        seconds=time.perf_counter() - start,
+        time_budget=time_budget,
+        backend=f"cpu x {devices} simulated devices",
+    )
+
+
+def load_factory(reference: str) -> Factory:
+    """The function a ``"module:function"`` or ``"path/to/file.py:function"`` reference names.
+
+    Raises:
+        EscaleTypeError: If the reference is malformed, or the module or function is missing.
+    """
+    module_name, sep, attribute = reference.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise EscaleTypeError(
+            f"workload: {reference!r} is not a reference; write it MODULE:FUNCTION, such as "
+            "'my_models:workload' or 'path/to/train.py:workload'."
+        )
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"no such file {module_name!r}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except (ImportError, OSError) as error:
+        raise EscaleTypeError(
+            f"workload: cannot import {module_name!r} of {reference!r} ({error}); run from the "
+            "directory that holds it, or add that directory to PYTHONPATH."
+        ) from error
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise EscaleTypeError(
+            f"workload: {module_name!r} has no function {attribute!r} (of {reference!r}); "
+            "name a function without arguments that returns a flax_escale.planning.Workload."
+        )
+    return factory
+
+
+def _build(workload: Workload | Factory | str) -> Workload:
+    if isinstance(workload, str):
+        workload = load_factory(workload)
+    if callable(workload) and not isinstance(workload, Workload):
+        workload = workload()
+    if not isinstance(workload, Workload):
+        raise EscaleTypeError(
+            f"workload must be a flax_escale.planning.Workload (or a function returning one), "
+            f"got {check.describe(workload)}."
+        )
+    return workload
+
+
+def _reference(workload: Workload | Factory | str) -> str:
+    if isinstance(workload, str):
+        load_factory(workload)  # a clear error here rather than in the child
+        return workload
+    module = getattr(workload, "__module__", None)
+    name = getattr(workload, "__qualname__", "")
+    if callable(workload) and not isinstance(workload, Workload) and module and "<" not in name:
+        if module != "__main__":
+            return f"{module}:{name}"
+        main = getattr(sys.modules["__main__"], "__file__", None)
+        if main:
+            return f"{main}:{name}"
+    raise EscaleTypeError(
+        f"workload: planning more devices than this process has ({len(jax.devices('cpu'))} "
+        "CPU devices) compiles in a child process, which has to build the workload itself; "
+        "pass a module-level function returning the Workload, or its 'module:function' "
+        f"reference, rather than {check.describe(workload)}."
+    )
+
+
+def frozen_rules(rules: Any) -> tuple[tuple[str, Any], ...] | None:
+    """The workload's rules as pairs, or ``None`` when they are ``PartitionAxis()``'s."""
+    frozen = as_logical_rules(rules)
+    return None if frozen == as_logical_rules(PartitionAxis()) else frozen
+
+
+def _cache_dir(cache: bool | str | os.PathLike[str]) -> Path | None:
+    if cache is True:
+        return DEFAULT_CACHE / "plan"
+    if cache is False:
+        return None
+    if isinstance(cache, (str, os.PathLike)):
+        return Path(cache)
+    raise EscaleTypeError(f"cache must be True, False or a directory, got {check.describe(cache)}.")
+
+
+class _Events:
+    """Receives the evaluation's events, in this process or from the child, and shows them."""
+
+    def __init__(self, console: Console, shown: bool, devices: int, budget: float | None):
+        self.figures: list[Figures] = []
+        self.rules: Any = None
+        budget_text = f", time budget {budget:g} s" if budget is not None else ""
+        self.progress = Progress(
+            TextColumn(f"planning {devices} devices{budget_text}: {{task.description}}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not shown,
+            transient=True,
+        )
+        self.task = self.progress.add_task("tracing the candidates", total=None)
+
+    def __enter__(self) -> _Events:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            self.progress.update(
+                self.task, total=event["total"], description=f"compiling {event['total']} meshes"
+            )
+        elif event["event"] == "figures":
+            figures = Figures.from_json(event["figures"])
+            self.figures.append(figures)
+            if figures.status != "pruned":
+                label = " ".join(f"{a}={s}" for a, s in figures.shape.items() if s > 1)
+                self.progress.update(self.task, advance=1, description=f"{label} done")
+        elif event["event"] == "rules":
+            self.rules = event["rules"]
+
+
+def _run_child(reference: str, request: dict[str, Any], events: _Events, console: Console) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flax_escale.planning._child"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    errors: list[str] = []
+    drain = threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True)
+    drain.start()
+    child.stdin.write(json.dumps({**request, "workload": reference}))
+    child.stdin.close()
+    for line in child.stdout:
+        if line.startswith(EVENT_PREFIX):
+            events(json.loads(line[len(EVENT_PREFIX) :]))
+        else:
+            console.print(line.rstrip("\n"), markup=False, highlight=False)
+    code = child.wait()
+    drain.join()
+    if code != 0:
+        tail = "".join(errors[-20:]).strip()
+        raise EscaleError(
+            f"planning {request['devices']} devices of {reference!r} failed in the child process "
+            f"(exit code {code}):\n{tail}"
+        )

@@ -1,0 +1,179 @@
+"""Hardware profiles: the few numbers a step-time estimate needs about one accelerator."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_escale._hlo import program_costs
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import _validate as check
+
+__all__ = ["PROFILES", "HardwareProfile", "hardware_profile", "measure_cpu_profile", "parse_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One device's compute and interconnect, as a step-time estimate uses them.
+
+    Attributes:
+        name: What the numbers describe.
+        flops_per_second: Peak dense matrix-multiplication FLOP/s of one device, in the
+            precision the model computes in.
+        interconnect_bytes_per_second: Bytes per second one device sends over the links a
+            collective uses (one direction).
+        collective_latency_seconds: The fixed cost of one collective, whatever its size.
+        memory_bytes: One device's memory, the budget when none is given.
+    """
+
+    name: str
+    flops_per_second: float
+    interconnect_bytes_per_second: float
+    collective_latency_seconds: float = 0.0
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("flops_per_second", "interconnect_bytes_per_second"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise EscaleError(
+                    f"HardwareProfile {self.name!r}: {field} must be a positive number, got "
+                    f"{value!r}; pass the device's peak figure, such as 989e12 FLOP/s."
+                )
+        latency = self.collective_latency_seconds
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise EscaleError(
+                f"HardwareProfile {self.name!r}: collective_latency_seconds must be a number "
+                f">= 0, got {latency!r}."
+            )
+        if self.memory_bytes is not None:
+            check.positive_int(self.memory_bytes, "memory_bytes")
+
+
+# Vendors' published peak figures (dense bf16 FLOP/s; interconnect per device, one direction).
+# Real steps reach a fraction of them: the estimate ranks meshes, it does not predict seconds.
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile("NVIDIA H100 SXM", 989e12, 450e9, 10e-6, 80 * 10**9),
+    "h200": HardwareProfile("NVIDIA H200 SXM", 989e12, 450e9, 10e-6, 141 * 10**9),
+    "a100": HardwareProfile("NVIDIA A100 SXM 80GB", 312e12, 300e9, 10e-6, 80 * 10**9),
+    "tpu-v5e": HardwareProfile("Google TPU v5e", 197e12, 200e9, 5e-6, 16 * 10**9),
+    "tpu-v5p": HardwareProfile("Google TPU v5p", 459e12, 600e9, 5e-6, 95 * 10**9),
+}
+"""The built-in profiles by name (``--profile NAME`` on the command line)."""
+
+
+def hardware_profile(profile: str | HardwareProfile) -> HardwareProfile:
+    """A profile by name (a key of :data:`PROFILES`), or the one given.
+
+    Raises:
+        EscaleError: For an unknown name; the message lists the known ones.
+        EscaleTypeError: For anything else.
+
+    Example:
+        >>> from flax_escale.planning import hardware_profile
+        >>> hardware_profile("h100").flops_per_second
+        989000000000000.0
+    """
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if isinstance(profile, str):
+        if profile in PROFILES:
+            return PROFILES[profile]
+        raise EscaleError(
+            f"profile: unknown hardware profile {profile!r}; pass one of {sorted(PROFILES)} or "
+            "a HardwareProfile(name, flops_per_second, interconnect_bytes_per_second, ...)."
+        )
+    raise EscaleTypeError(
+        f"profile must be a profile name or a HardwareProfile, got {check.describe(profile)}; "
+        f"pass one of {sorted(PROFILES)}."
+    )
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: int | str, name: str = "memory") -> int:
+    """Bytes from an int or a size such as ``"16GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5T"``.
+
+    Binary prefixes (``GiB``) are powers of 1024, decimal ones (``GB``, ``G``) of 1000.
+
+    Raises:
+        EscaleError: If the text is not a size or the size is not positive.
+        EscaleTypeError: If ``value`` is neither an int nor a string.
+
+    Example:
+        >>> from flax_escale.planning import parse_bytes
+        >>> parse_bytes("16GiB"), parse_bytes("80GB"), parse_bytes(1024)
+        (17179869184, 80000000000, 1024)
+    """
+    if isinstance(value, str):
+        match = _BYTES.match(value)
+        if match is None:
+            raise EscaleError(
+                f"{name}: {value!r} is not a size; write it like '16GiB', '80GB' or 17179869184."
+            )
+        number, prefix, binary = match.groups()
+        power = "kmgt".index(prefix.lower()) + 1 if prefix else 0
+        value = int(float(number) * (1024 if binary else 1000) ** power)
+        if value <= 0:
+            raise EscaleError(f"{name}: the size must be positive, got {match.group(0)!r}.")
+        return value
+    return check.positive_int(value, name)
+
+
+def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
+    """Measures the profile of ``mesh``'s devices: how this machine runs a sharded program.
+
+    Simulated CPU devices share the host's cores and "communicate" through its memory, so no
+    published figure describes them; the three numbers are timed on ``mesh`` itself, each the
+    median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
+    device), an all-gather of 16 MiB (bytes each device sends per second, as
+    :mod:`flax_escale._hlo` counts them) and an all-reduce of one value per device (latency).
+
+    Args:
+        mesh: The mesh whose devices to measure.
+        rounds: Timed runs of each program.
+
+    Returns:
+        A :class:`HardwareProfile` named ``"measured: <platform> x <devices>"``.
+    """
+    check.mesh(mesh)
+    rounds = check.positive_int(rounds, "rounds")
+    flat = Mesh(np.asarray(mesh.devices).reshape(-1), ("all",))
+    n = flat.size
+    split, whole = NamedSharding(flat, PartitionSpec("all")), NamedSharding(flat, PartitionSpec())
+
+    width = 512
+    x = jax.device_put(jnp.ones((n * width, width), jnp.float32), split)
+    w = jax.device_put(jnp.ones((width, width), jnp.float32), whole)
+    matmul = jax.jit(lambda x, w: x @ w, out_shardings=split)
+    flops = 2.0 * width**3 / _seconds(matmul, (x, w), rounds)
+
+    gathered = jax.device_put(jnp.ones((n, 4 << 20), jnp.float32), split)
+    gather = jax.jit(lambda v: v, out_shardings=whole)
+    wire = program_costs(gather.lower(gathered).compile()).wire_bytes
+    bandwidth = wire / _seconds(gather, (gathered,), rounds)
+
+    ones = jax.device_put(jnp.ones((n,), jnp.float32), split)
+    reduce = jax.jit(lambda v: v.sum(), out_shardings=whole)
+    latency = _seconds(reduce, (ones,), rounds)
+    platform = next(iter(flat.devices.flat)).platform
+    return HardwareProfile(f"measured: {platform} x {n}", flops, bandwidth, latency)
+
+
+def _seconds(fn: object, args: Sequence[jax.Array], rounds: int) -> float:
+    jax.block_until_ready(fn(*args))  # compiled and warm
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times), 1e-9)

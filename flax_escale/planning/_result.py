@@ -1,0 +1,232 @@
+"""The answer of :func:`plan_mesh`: every candidate mesh, ranked, with an estimated step time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rich.bar import Bar
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from flax_escale.mesh import DEFAULT_AXIS_NAMES
+from flax_escale.planning._evaluate import Figures
+from flax_escale.planning._profiles import HardwareProfile
+from flax_escale.sharding._plan import format_bytes
+
+__all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
+
+ESTIMATE_TERMS = (
+    "estimated step time = FLOPs / peak FLOP/s + bytes each device sends in collectives / "
+    "interconnect bandwidth + collectives run x latency; no overlap of compute and "
+    "communication, no memory-bandwidth, kernel-efficiency or multi-host (DCN) terms. An "
+    "estimate to rank meshes by, not a prediction of seconds."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One mesh of the plan: its figures, whether it fits, and its estimated step time.
+
+    Attributes:
+        figures: What planning and compiling it found (:class:`Figures`).
+        fits: Whether its per-device peak (init or step, the larger) is within the budget;
+            ``False`` for a mesh ruled out by its state alone, ``None`` if not compiled.
+        compute_seconds: FLOPs over the profile's peak.
+        communication_seconds: Collective bytes over the interconnect, plus latencies.
+    """
+
+    figures: Figures
+    fits: bool | None
+    compute_seconds: float | None
+    communication_seconds: float | None
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{axis: size}`` over ``dp, fsdp, ep, tp, sp``."""
+        return self.figures.shape
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The sizes in :func:`~flax_escale.create_mesh`'s order."""
+        return tuple(self.shape[a] for a in DEFAULT_AXIS_NAMES)
+
+    @property
+    def label(self) -> str:
+        """The axes larger than 1, like ``fsdp=4 tp=2``."""
+        return " ".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "one device"
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Per-device peak: the larger of init's and one step's, by compiled figures."""
+        f = self.figures
+        if f.init_peak_bytes is None or f.step_peak_bytes is None:
+            return None
+        return max(f.init_peak_bytes, f.step_peak_bytes)
+
+    @property
+    def collective_bytes(self) -> float:
+        """Bytes each device sends in collectives per step."""
+        return sum(wire for _, _, wire in self.figures.collectives.values())
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The estimated step time (see :data:`ESTIMATE_TERMS`)."""
+        if self.compute_seconds is None or self.communication_seconds is None:
+            return None
+        return self.compute_seconds + self.communication_seconds
+
+    @classmethod
+    def estimate(cls, figures: Figures, profile: HardwareProfile, memory_bytes: int) -> Candidate:
+        """The candidate of ``figures`` on ``profile`` with ``memory_bytes`` per device."""
+        if figures.status == "state too large":
+            return cls(figures, False, None, None)
+        if figures.status != "compiled":
+            return cls(figures, None, None, None)
+        counts = sum(count for count, _, _ in figures.collectives.values())
+        wire = sum(w for _, _, w in figures.collectives.values())
+        peak = max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
+        return cls(
+            figures,
+            peak <= memory_bytes,
+            (figures.flops or 0.0) / profile.flops_per_second,
+            wire / profile.interconnect_bytes_per_second
+            + counts * profile.collective_latency_seconds,
+        )
+
+    def create_mesh_call(self) -> str:
+        """The :func:`~flax_escale.create_mesh` call that builds this mesh."""
+        named = ", ".join(f"{a}={s}" for a, s in self.shape.items())
+        return f"flax_escale.create_mesh({self.dims})  # {named}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """Every candidate mesh for a workload on N devices, best first.
+
+    The meshes that fit come first, fastest estimated step first; then those that do not
+    fit (smallest peak first); then those ruled out before compiling.
+
+    Attributes:
+        devices: N.
+        memory_bytes: The per-device budget.
+        profile: The hardware profile of the estimate.
+        candidates: Every mesh, ranked.
+        rules: The rules the plan used, as ``(logical name, mesh axes)`` pairs, or ``None``
+            for the default ``PartitionAxis()``.
+        seconds: How long planning took.
+        time_budget: The time budget, if any.
+        backend: Where the programs were compiled (``"cpu x 64 simulated devices"``).
+    """
+
+    devices: int
+    memory_bytes: int
+    profile: HardwareProfile
+    candidates: tuple[Candidate, ...]
+    rules: tuple[tuple[str, Any], ...] | None
+    seconds: float
+    time_budget: float | None
+    backend: str
+
+    @classmethod
+    def rank(cls, figures: list[Figures], profile: HardwareProfile, **fields: Any) -> MeshPlan:
+        """The plan of ``figures``, ranked by ``profile``'s estimate."""
+        candidates = [Candidate.estimate(f, profile, fields["memory_bytes"]) for f in figures]
+
+        def order(c: Candidate) -> tuple[Any, ...]:
+            if c.fits:
+                return (0, c.step_seconds, c.peak_bytes)
+            if c.fits is False:
+                return (1, c.peak_bytes or c.figures.state_bytes or 0, 0)
+            return (2, 0, 0)
+
+        return cls(profile=profile, candidates=tuple(sorted(candidates, key=order)), **fields)
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        """The meshes whose compiled peak fits the budget, fastest first."""
+        return tuple(c for c in self.candidates if c.fits)
+
+    @property
+    def best(self) -> Candidate | None:
+        """The recommended mesh: the fastest that fits, or ``None`` if none does."""
+        return self.fitting[0] if self.fitting else None
+
+    def recommendation(self) -> str:
+        """The code that reproduces the recommended mesh and rules, or why there is none."""
+        if self.best is None:
+            compiled = [c for c in self.candidates if c.fits is False]
+            closest = min((c.peak_bytes or 0 for c in compiled), default=None)
+            hint = f" (the smallest peak was {format_bytes(closest)})" if closest else ""
+            return (
+                f"No mesh of {self.devices} devices fits {format_bytes(self.memory_bytes)} per "
+                f"device{hint}: use more devices, a smaller batch, shard_over=('dp',) for the "
+                "optimizer state, or rematerialization."
+            )
+        rules = "flax_escale.PartitionAxis()" if self.rules is None else repr(list(self.rules))
+        return "\n".join(
+            [
+                f"mesh = {self.best.create_mesh_call()}",
+                f"rules = {rules}",
+                "variables = flax_escale.init_sharded(model, mesh, rng, *args, rules=rules)",
+            ]
+        )
+
+    def table(self, top: int | None = None) -> Table:
+        """The plan as a ``rich`` table (the first ``top`` candidates, or all)."""
+        table = Table(
+            title=(
+                f"{self.devices} devices, {format_bytes(self.memory_bytes)} each, estimated on "
+                f"{self.profile.name} (compiled on {self.backend}, {self.seconds:.0f} s)"
+            ),
+            title_justify="left",
+        )
+        for column in ("#", "mesh", "peak / device", "", "collectives / step", "est. step"):
+            table.add_column(column, justify="left" if column in ("mesh", "") else "right")
+        table.add_column("notes")
+        for rank, c in enumerate(self.candidates[:top], 1):
+            table.add_row(
+                str(rank) if c.fits else "-",
+                c.label,
+                format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
+                self._bar(c),
+                format_bytes(c.collective_bytes) if c.figures.status == "compiled" else "-",
+                f"{c.step_seconds * 1e3:.3g} ms" if c.step_seconds is not None else "-",
+                self._notes(c),
+            )
+        return table
+
+    def _bar(self, c: Candidate) -> Any:
+        peak = c.peak_bytes if c.peak_bytes is not None else c.figures.state_bytes
+        if peak is None:
+            return ""
+        color = "green" if c.fits else "red"
+        return Bar(self.memory_bytes, 0, min(peak, self.memory_bytes), width=12, color=color)
+
+    @staticmethod
+    def _notes(c: Candidate) -> str:
+        f = c.figures
+        notes = []
+        if f.status == "compiled" and not c.fits:
+            notes.append("does not fit")
+        elif f.status != "compiled":
+            notes.append(f"{f.status}: {f.reason}" if f.reason else f.status)
+        if f.corrections:
+            notes.append(f"{len(f.corrections)} corrections, e.g. {f.corrections[0]}")
+        return "; ".join(notes)
+
+    def __rich__(self) -> Group:
+        return Group(
+            self.table(),
+            Text(self.recommendation()),
+            Text(ESTIMATE_TERMS, style="dim"),
+        )
+
+    def __str__(self) -> str:
+        lines = [
+            f"{rank}. {c.label}: peak {format_bytes(c.peak_bytes or 0)}, "
+            f"est. {(c.step_seconds or 0) * 1e3:.3g} ms"
+            for rank, c in enumerate(self.fitting, 1)
+        ]
+        return "\n".join([*lines, self.recommendation()])

@@ -1,0 +1,304 @@
+"""A training workload, and the two programs it compiles to on one mesh: init and step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_escale._data import batch_sharding
+from flax_escale._dispatch import lower_init, plan_sharding
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.frontend import Overrides
+from flax_escale.mesh import _validate as check
+from flax_escale.nnx._init import abstract_and_plan, optimizer_layout
+from flax_escale.resolve import RulesLike
+from flax_escale.sharding import ShardingPlan, opt_state_shardings, use_sharding
+
+__all__ = ["Programs", "Workload", "lower_programs", "mean_square"]
+
+
+def mean_square(outputs: Any, *batch: Any) -> jax.Array:
+    """The default loss: the mean square of the model's floating-point outputs.
+
+    Any scalar of the outputs costs the same to differentiate as a real loss, up to its own
+    few operations; pass ``loss=`` (or ``step=``) to plan the step you will run.
+    """
+    del batch
+    leaves = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        raise EscaleError(
+            "the model's outputs hold no floating-point array to take the default loss of; "
+            "pass loss=lambda outputs, *batch: ... or step=."
+        )
+    return sum(jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model and how it trains: what :func:`plan_mesh` compiles on every candidate mesh.
+
+    Attributes:
+        model: A Linen module instance or an NNX module class (or callable taking ``rngs=``),
+            as :func:`~flax_escale.init_sharded` takes it.
+        rng: Its ``rng`` argument.
+        args: Linen: example inputs for ``model.init``; NNX: constructor arguments.
+        tx: The optax optimizer.
+        batch: The global batch one step takes, as a tuple of arrays or
+            ``jax.ShapeDtypeStruct`` (each split as :func:`~flax_escale.batch_sharding` splits
+            it: ``batch``, then ``sequence``). Defaults to ``args`` for Linen; NNX needs it.
+        step: The training step. Linen: ``step(state, *batch) -> (state, aux)`` with a Flax
+            ``TrainState`` (as :func:`~flax_escale.linen.init_train_state` builds it); NNX:
+            ``step(model, optimizer, *batch) -> aux``, updating both in place. Defaults to
+            one ``value_and_grad`` of ``loss`` and one optimizer update.
+        loss: ``loss(outputs, *batch) -> scalar`` for the default step (default
+            :func:`mean_square`).
+        rules: The logical-axis rules (default ``PartitionAxis()``'s).
+        overrides: As :func:`~flax_escale.plan_sharding` takes them.
+        use_idle_axes: As :func:`~flax_escale.plan_sharding` takes it.
+        shard_over: Mesh axes the optimizer state is also split over (ZeRO-1).
+        init_kwargs: Keyword arguments for ``model.init`` (Linen) or the constructor (NNX).
+    """
+
+    model: Any
+    rng: Any
+    args: tuple[Any, ...] = ()
+    tx: optax.GradientTransformation | None = None
+    batch: tuple[Any, ...] | None = None
+    step: Callable[..., Any] | None = None
+    loss: Callable[..., Any] | None = None
+    rules: RulesLike = None
+    overrides: Overrides | None = None
+    use_idle_axes: bool = True
+    shard_over: Sequence[str] = ()
+    init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, tuple):
+            raise EscaleTypeError(
+                f"Workload: args must be a tuple, got {check.describe(self.args)}; write "
+                "args=(x,) for one input."
+            )
+        if self.tx is None:
+            raise EscaleTypeError(
+                "Workload: tx is required; pass the optimizer, optax.adamw(1e-4)."
+            )
+        check.transformation(self.tx, "Workload tx")
+        if self.is_linen:
+            if self.batch is None:
+                object.__setattr__(self, "batch", self.args)
+        elif self.batch is None:
+            raise EscaleTypeError(
+                "Workload: batch is required for an NNX model (args are its constructor's); "
+                "pass batch=(jax.ShapeDtypeStruct((batch, length), jnp.int32),)."
+            )
+        if not isinstance(self.batch, tuple):
+            raise EscaleTypeError(
+                f"Workload: batch must be a tuple of arrays, got {check.describe(self.batch)}; "
+                "write batch=(tokens,)."
+            )
+        for i, leaf in enumerate(self.batch):
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                raise EscaleTypeError(
+                    f"Workload: batch[{i}] is {check.describe(leaf)}, not an array; pass arrays "
+                    "or jax.ShapeDtypeStruct."
+                )
+        for name in ("step", "loss"):
+            if getattr(self, name) is not None:
+                check.callable_(getattr(self, name), f"Workload {name}")
+        check.names(self.shard_over, "Workload shard_over")
+
+    @property
+    def is_linen(self) -> bool:
+        """Whether the model is a Linen module (else NNX)."""
+        if isinstance(self.model, nn.Module):
+            return True
+        if callable(self.model) and not isinstance(self.model, nnx.Module):
+            return False
+        raise EscaleTypeError(
+            "Workload: model must be a flax.linen.Module instance, or an NNX module class (or "
+            f"a callable taking rngs=), got {check.describe(self.model)}."
+        )
+
+    def plan(self, mesh: Mesh) -> ShardingPlan:
+        """The variables' sharding plan on ``mesh`` (:func:`~flax_escale.plan_sharding`)."""
+        return plan_sharding(self.model, mesh, self.rng, *self.args, **self._planning())
+
+    def lower_init(self, mesh: Mesh) -> jax.stages.Lowered:
+        """The sharded initializer on ``mesh``, lowered (:func:`~flax_escale.lower_init`)."""
+        return lower_init(self.model, mesh, self.rng, *self.args, **self._planning())
+
+    def _planning(self) -> dict[str, Any]:
+        return {
+            "rules": self.rules,
+            "overrides": self.overrides,
+            "use_idle_axes": self.use_idle_axes,
+            **self.init_kwargs,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """A workload on one mesh, lowered: its plan, init and step, and the state's bytes.
+
+    Attributes:
+        plan: The variables' sharding plan.
+        init: The sharded initializer, lowered.
+        step: The training step, lowered with the train state's shardings in and out (its
+            buffers donated) and the batch split as :func:`~flax_escale.batch_sharding` says.
+        state_bytes: Bytes of the train state (parameters, optimizer state, step) on the
+            device that holds the most.
+    """
+
+    plan: ShardingPlan
+    init: jax.stages.Lowered
+    step: jax.stages.Lowered
+    state_bytes: int
+
+
+def batch_shardings(workload: Workload, mesh: Mesh, *, strict: bool = False) -> list[Any]:
+    """The sharding of every array of the workload's batch on ``mesh``."""
+    return [
+        batch_sharding(mesh, tuple(x.shape), rules=workload.rules, strict=strict)
+        if len(x.shape)
+        else NamedSharding(mesh, PartitionSpec())
+        for x in workload.batch
+    ]
+
+
+def lower_programs(workload: Workload, mesh: Mesh, plan: ShardingPlan | None = None) -> Programs:
+    """Lowers the workload's init and training step on ``mesh`` without allocating anything.
+
+    Args:
+        workload: The workload.
+        mesh: The mesh.
+        plan: Its sharding plan on ``mesh``, if already made.
+
+    Returns:
+        The :class:`Programs`.
+    """
+    plan = workload.plan(mesh) if plan is None else plan
+    init = workload.lower_init(mesh)
+    state, step = (_linen_state if workload.is_linen else _nnx_state)(workload, mesh, plan)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch = batch_shardings(workload, mesh)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, *batch),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    examples = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(workload.batch, batch, strict=True)
+    ]
+    with use_sharding(mesh, workload.rules):
+        lowered = jitted.lower(state, *examples)
+    return Programs(plan, init, lowered, _max_device_bytes(state))
+
+
+def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    # By leaf order: NNX states hold their arrays in Variables, which the sharding trees do not.
+    leaves, treedef = jax.tree.flatten(tree)
+    placed = jax.tree.leaves(shardings)
+    return treedef.unflatten(
+        [_abstract(x.shape, x.dtype, s) for x, s in zip(leaves, placed, strict=True)]
+    )
+
+
+def _linen_state(
+    workload: Workload, mesh: Mesh, plan: ShardingPlan
+) -> tuple[TrainState, Callable[..., Any]]:
+    variables = plan.treedef.unflatten(
+        [_abstract(e.shape, e.dtype, NamedSharding(mesh, e.spec)) for e in plan]
+    )
+    others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
+    if others:
+        raise EscaleError(
+            f"the model has variable collections {others} besides 'params'; plan_mesh plans a "
+            "TrainState of parameters only, as init_train_state builds it."
+        )
+    params = variables["params"]
+    tx = workload.tx
+    opt = _with_shardings(
+        jax.eval_shape(tx.init, params),
+        opt_state_shardings(tx, params, shard_over=workload.shard_over),
+    )
+    step = _abstract((), np.int32, NamedSharding(mesh, PartitionSpec()))
+    state = TrainState(
+        step=step, apply_fn=workload.model.apply, params=params, tx=tx, opt_state=opt
+    )
+    return state, workload.step or _linen_step(workload.loss or mean_square)
+
+
+def _linen_step(loss: Callable[..., Any]) -> Callable[..., Any]:
+    def step(state: TrainState, *batch: Any) -> tuple[TrainState, jax.Array]:
+        def objective(params: Any) -> jax.Array:
+            return loss(state.apply_fn({"params": params}, *batch), *batch)
+
+        value, grads = jax.value_and_grad(objective)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    return step
+
+
+def _nnx_state(
+    workload: Workload, mesh: Mesh, plan: ShardingPlan
+) -> tuple[nnx.State, Callable[..., Any]]:
+    abstract, _ = abstract_and_plan(
+        workload.model,
+        mesh,
+        workload.rng,
+        workload.args,
+        dict(workload.init_kwargs),
+        workload.rules,
+        False,
+        workload.overrides,
+        workload.use_idle_axes,
+    )
+    graphdef, values = nnx.split(abstract)
+    model = nnx.merge(graphdef, _with_shardings(values, plan.shardings()))
+    layout = optimizer_layout(model, workload.tx, shard_over=workload.shard_over)
+    opt_values = _with_shardings(layout.abstract, layout.shardings)
+    optimizer = nnx.merge(layout.graphdef, opt_values)
+    pair_graphdef, state = nnx.split((model, optimizer))
+    user_step = workload.step or _nnx_step(workload.loss or mean_square)
+
+    def step(state: nnx.State, *batch: Any) -> tuple[nnx.State, Any]:
+        model, optimizer = nnx.merge(pair_graphdef, state)
+        aux = user_step(model, optimizer, *batch)
+        return nnx.state((model, optimizer)), aux
+
+    return state, step
+
+
+def _nnx_step(loss: Callable[..., Any]) -> Callable[..., Any]:
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any) -> jax.Array:
+        value, grads = nnx.value_and_grad(lambda m: loss(m(*batch), *batch))(model)
+        optimizer.update(model, grads)
+        return value
+
+    return step
+
+
+def _max_device_bytes(tree: Any) -> int:
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        shard = math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for device in leaf.sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + shard
+    return max(per_device.values(), default=0)
