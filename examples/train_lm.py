@@ -7,8 +7,10 @@ builds the mesh from ``--mesh`` (named, like ``dp:1,fsdp:4,tp:2``: axes left out
 one size may be ``-1``, the devices the others leave; the default is ``dp:1,fsdp:4,tp:2`` on
 the CPU devices and ``fsdp:-1`` on accelerators), builds the NNX Llama of
 ``nnx_llama.py`` (or, with ``--api linen``, the Linen GPT of ``linen_gpt.py``) directly sharded,
-prints the sharding plan and the memory a training step needs per device, trains on synthetic
-data with a progress bar, and prints the per-device memory of parameters and optimizer state.
+prints the sharding plan, the top three meshes of the mesh plan for these devices
+(:func:`flax_escale.planning.plan_mesh`) and the memory a training step needs per device,
+trains on synthetic data with a progress bar, and prints the per-device memory of parameters
+and optimizer state.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
+from flax_escale import planning
 
 DEFAULT_MESH = {"cpu": "dp:1,fsdp:4,tp:2", "accelerator": "fsdp:-1"}
 
@@ -95,6 +98,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--api", choices=["nnx", "linen"], default="nnx")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--plan-memory",
+        default="2.5MiB",
+        help="per-device budget of the mesh plan printed before training (default 2.5MiB)",
+    )
     args = parser.parse_args(argv)
     # First, before anything starts a JAX backend, so that an accelerator is never started
     # when the CPU is chosen.
@@ -106,12 +114,28 @@ def main(argv: list[str] | None = None) -> list[float]:
         return _train(args, devices, console)
 
 
+def _print_mesh_plan(args: argparse.Namespace, devices: int, console: Console) -> None:
+    # Which mesh of these devices would this model best train on (at the example's batch of
+    # 16), before any is built: the planner compiles every candidate on simulated CPU devices,
+    # in a child process when there are more than this process has, and keeps the figures.
+    example = {"nnx": nnx_llama, "linen": linen_gpt}[args.api]
+    plan = planning.plan_mesh(
+        example.workload,
+        devices=devices,
+        memory=args.plan_memory,
+        axes=("dp", "fsdp", "tp"),
+        progress=console,
+    )
+    console.print(plan.table(top=3))
+
+
 def _train(args: argparse.Namespace, devices: list[jax.Device], console: Console) -> list[float]:
     mesh = mesh_from_string(args.mesh or DEFAULT_MESH[args.devices], devices)
     rules = fe.PartitionAxis()
     console.print(f"[bold]mesh[/] {dict(mesh.shape)} on {mesh.size} of them")
     trainer = Trainer(args.api, mesh, rules, args.batch)
     report = fe.sharding_report(trainer.plan, console=console)
+    _print_mesh_plan(args, mesh.size, console)
     seq = 32
     data = toy_data.batches(trainer.config.vocab, args.batch, seq)
     with fe.use_sharding(mesh, rules):

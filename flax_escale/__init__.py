@@ -5,6 +5,8 @@ resolver, constraints, the front-end entry points, the tools around training, ch
 multi-host data and the errors. The rest is organized by layer and by audience:
 
 - :mod:`flax_escale.linen` and :mod:`flax_escale.nnx`: what is specific to one Flax API.
+- :mod:`flax_escale.planning`: which mesh of N devices fits a model and trains it fastest,
+  planned on one CPU machine (``plan_mesh``, ``python -m flax_escale plan``).
 - :mod:`flax_escale.t5x`: t5x.partitioning's vocabulary (``Partitioner``, mesh builders, ...).
 - :mod:`flax_escale.eformer`: eformer.escale's names and signatures.
 - :mod:`flax_escale.mesh`, :mod:`flax_escale.axes`, :mod:`flax_escale.resolve`,
@@ -12,7 +14,7 @@ multi-host data and the errors. The rest is organized by layer and by audience:
   leaves out (``fit_spec``, regex partition rules, shard and gather functions, ...).
 """
 
-from flax_escale import eformer, linen, nnx, t5x  # noqa: F401 (the namespaces, as attributes)
+from flax_escale import eformer, linen, nnx, planning, t5x  # noqa: F401 (the namespaces, as attributes)
 from flax_escale._checkpoint import restore_checkpoint, save_checkpoint
 from flax_escale._data import (
     batch_sharding,

@@ -70,6 +70,23 @@ EXPECTED = {
         "stack_layers",
         "stacked",
     ],
+    "flax_escale.planning": [
+        "ESTIMATE_TERMS",
+        "PLANNED_AXES",
+        "PROFILES",
+        "Candidate",
+        "Figures",
+        "HardwareProfile",
+        "MeshPlan",
+        "Workload",
+        "hardware_profile",
+        "load_factory",
+        "mean_square",
+        "measure_cpu_profile",
+        "mesh_shapes",
+        "parse_bytes",
+        "plan_mesh",
+    ],
 }
 
 

@@ -289,8 +289,16 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
         env=env,
     )
     errors: list[str] = []
-    drain = threading.Thread(target=lambda: errors.extend(child.stderr), daemon=True)
-    drain.start()
+
+    def drain() -> None:
+        # Passed on as this process would show them (XLA's own warnings among them), and kept
+        # for the error message should the child fail.
+        for line in child.stderr:
+            errors.append(line)
+            console.print(line.rstrip("\n"), markup=False, highlight=False, style="dim")
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     child.stdin.write(json.dumps({**request, "workload": reference}))
     child.stdin.close()
     for line in child.stdout:
@@ -299,7 +307,7 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
         else:
             console.print(line.rstrip("\n"), markup=False, highlight=False)
     code = child.wait()
-    drain.join()
+    drainer.join()
     if code != 0:
         tail = "".join(errors[-20:]).strip()
         raise EscaleError(

@@ -189,13 +189,21 @@ class MeshPlan:
             table.add_row(
                 str(rank) if c.fits else "-",
                 c.label,
-                format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-",
+                self._peak(c),
                 self._bar(c),
                 format_bytes(c.collective_bytes) if c.figures.status == "compiled" else "-",
                 f"{c.step_seconds * 1e3:.3g} ms" if c.step_seconds is not None else "-",
                 self._notes(c),
             )
         return table
+
+    @staticmethod
+    def _peak(c: Candidate) -> str:
+        if c.peak_bytes is not None:
+            return format_bytes(c.peak_bytes)
+        if c.figures.state_bytes is not None:  # not compiled: the state is a lower bound
+            return f">= {format_bytes(c.figures.state_bytes)}"
+        return "-"
 
     def _bar(self, c: Candidate) -> Any:
         peak = c.peak_bytes if c.peak_bytes is not None else c.figures.state_bytes
