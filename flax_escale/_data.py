@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import without_unit_explicit_axes
-from flax_escale.resolve import LogicalAxes, RulesLike, enforce, resolve_logical_axes
+from flax_escale.resolve import LogicalAxes, Resolution, RulesLike, enforce, resolve_logical_axes
 
 __all__ = ["batch_sharding", "global_to_host_local", "host_local_to_global", "process_batch_slice"]
 
@@ -67,6 +67,24 @@ def batch_sharding(
         ...
         flax_escale.errors.ShardingResolutionError: logical axes ('batch', 'sequence') with ...
     """
+    resolution = batch_resolution(mesh, shape, logical_axes, rules, strict=strict)
+    spec = enforce(resolution, strict=strict).spec
+    return NamedSharding(mesh, without_unit_explicit_axes(spec, mesh))
+
+
+def batch_resolution(
+    mesh: Mesh,
+    shape: tuple[int, ...],
+    logical_axes: LogicalAxes = None,
+    rules: RulesLike = None,
+    *,
+    strict: bool = False,
+) -> Resolution:
+    """How :func:`batch_sharding` resolves a batch's names, before anything is enforced.
+
+    Arguments are :func:`batch_sharding`'s. The resolution tells what could not apply
+    (``corrections``, ``unknown_names``) without warning about it.
+    """
     if isinstance(logical_axes, str):
         raise EscaleTypeError(
             f"batch_sharding: logical_axes must be a sequence of names, one per dimension, got "
@@ -76,9 +94,7 @@ def batch_sharding(
     shape = check.shape(shape, "shape")
     names = tuple(logical_axes) if logical_axes is not None else BATCH_AXES[: len(shape)]
     names = names + (None,) * (len(shape) - len(names))
-    resolution = resolve_logical_axes(names, rules, shape=shape, mesh=mesh, strict=strict)
-    spec = enforce(resolution, strict=strict).spec
-    return NamedSharding(mesh, without_unit_explicit_axes(spec, mesh))
+    return resolve_logical_axes(names, rules, shape=shape, mesh=mesh, strict=strict)
 
 
 def process_batch_slice(

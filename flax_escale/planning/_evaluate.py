@@ -14,9 +14,10 @@ from typing import Any
 import jax
 import jaxlib
 
+from flax_escale._data import batch_resolution
 from flax_escale._hlo import program_costs
 from flax_escale._report import will_it_fit
-from flax_escale.errors import EscaleError, ShardingCorrectionWarning, ShardingResolutionError
+from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, create_mesh
 from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
@@ -136,18 +137,25 @@ def _has_experts(workload: Workload, devices: Sequence[jax.Device]) -> bool:
 
 def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tuple[str, ...]]:
     label = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "one device"
-    try:
-        batch = batch_shardings(workload, mesh, strict=True)
-    except ShardingResolutionError as error:
-        return f"the batch cannot be split on {label}: {error}", None, ()
+    notes = []
+    for i, x in enumerate(workload.batch):
+        if not len(x.shape):
+            continue
+        resolution = batch_resolution(mesh, tuple(x.shape), rules=workload.rules)
+        if resolution.corrections:
+            detail = "; ".join(c.detail for c in resolution.corrections)
+            reason = f"batch[{i}] of shape {tuple(x.shape)} cannot be split on {label}: {detail}"
+            return reason, None, ()
+        notes += [f"batch[{i}]: no rule for {name!r}" for name in resolution.unknown_names]
     with warnings.catch_warnings():
         # Recorded in the plan and reported per candidate, rather than warned once per mesh.
         warnings.simplefilter("ignore", ShardingCorrectionWarning)
         plan = workload.plan(mesh)
+        batch = batch_shardings(workload, mesh)
     corrections = tuple(
         f"{path} dim {c.dim} ({c.size}): {'+'.join(c.mesh_axes)} dropped ({c.kind})"
         for path, c in plan.corrections
-    )
+    ) + tuple(notes)
     used = {a for e in plan for entry in e.spec for a in mesh_axes_of(entry)}
     used |= {a for s in batch for entry in s.spec for a in mesh_axes_of(entry)}
     idle = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1 and a not in used]

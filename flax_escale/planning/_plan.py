@@ -165,11 +165,7 @@ def load_factory(reference: str) -> Factory:
         )
     try:
         if module_name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"no such file {module_name!r}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = _module_from_file(Path(module_name))
         else:
             module = importlib.import_module(module_name)
     except (ImportError, OSError) as error:
@@ -184,6 +180,21 @@ def load_factory(reference: str) -> Factory:
             "name a function without arguments that returns a flax_escale.planning.Workload."
         )
     return factory
+
+
+def _module_from_file(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no such file {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would: dataclasses look their module up there.
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module
 
 
 def _build(workload: Workload | Factory | str) -> Workload:
@@ -280,34 +291,34 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    child = subprocess.Popen(
+    errors: list[str] = []
+    with subprocess.Popen(
         [sys.executable, "-m", "flax_escale.planning._child"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-    )
-    errors: list[str] = []
+    ) as child:
 
-    def drain() -> None:
-        # Passed on as this process would show them (XLA's own warnings among them), and kept
-        # for the error message should the child fail.
-        for line in child.stderr:
-            errors.append(line)
-            console.print(line.rstrip("\n"), markup=False, highlight=False, style="dim")
+        def drain() -> None:
+            # Passed on as this process would show them (XLA's own warnings among them), and
+            # kept for the error message should the child fail.
+            for line in child.stderr:
+                errors.append(line)
+                console.print(line.rstrip("\n"), markup=False, highlight=False, style="dim")
 
-    drainer = threading.Thread(target=drain, daemon=True)
-    drainer.start()
-    child.stdin.write(json.dumps({**request, "workload": reference}))
-    child.stdin.close()
-    for line in child.stdout:
-        if line.startswith(EVENT_PREFIX):
-            events(json.loads(line[len(EVENT_PREFIX) :]))
-        else:
-            console.print(line.rstrip("\n"), markup=False, highlight=False)
-    code = child.wait()
-    drainer.join()
+        drainer = threading.Thread(target=drain, daemon=True)
+        drainer.start()
+        child.stdin.write(json.dumps({**request, "workload": reference}))
+        child.stdin.close()
+        for line in child.stdout:
+            if line.startswith(EVENT_PREFIX):
+                events(json.loads(line[len(EVENT_PREFIX) :]))
+            else:
+                console.print(line.rstrip("\n"), markup=False, highlight=False)
+        code = child.wait()
+        drainer.join()
     if code != 0:
         tail = "".join(errors[-20:]).strip()
         raise EscaleError(

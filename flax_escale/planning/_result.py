@@ -157,7 +157,7 @@ class MeshPlan:
         """The code that reproduces the recommended mesh and rules, or why there is none."""
         if self.best is None:
             compiled = [c for c in self.candidates if c.fits is False]
-            closest = min((c.peak_bytes or 0 for c in compiled), default=None)
+            closest = min((c.peak_bytes for c in compiled if c.peak_bytes), default=None)
             hint = f" (the smallest peak was {format_bytes(closest)})" if closest else ""
             return (
                 f"No mesh of {self.devices} devices fits {format_bytes(self.memory_bytes)} per "

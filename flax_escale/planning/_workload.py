@@ -166,10 +166,10 @@ class Programs:
     state_bytes: int
 
 
-def batch_shardings(workload: Workload, mesh: Mesh, *, strict: bool = False) -> list[Any]:
+def batch_shardings(workload: Workload, mesh: Mesh) -> list[Any]:
     """The sharding of every array of the workload's batch on ``mesh``."""
     return [
-        batch_sharding(mesh, tuple(x.shape), rules=workload.rules, strict=strict)
+        batch_sharding(mesh, tuple(x.shape), rules=workload.rules)
         if len(x.shape)
         else NamedSharding(mesh, PartitionSpec())
         for x in workload.batch
