@@ -94,6 +94,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--latency", type=float, default=0.0, help="custom profile: seconds per collective"
     )
+    parser.add_argument(
+        "--memory-bandwidth", type=float, help="custom profile: memory bytes/s per device"
+    )
     parser.add_argument("--axes", default=None, help="mesh axes to plan over, like dp,fsdp,tp")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds to compile for")
     parser.add_argument("--top", type=int, default=None, help="rows to show (default all)")
@@ -106,7 +109,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.flops is not None or args.bandwidth is not None:
         if args.flops is None or args.bandwidth is None:
             raise EscaleError("plan: a custom profile needs both --flops and --bandwidth.")
-        profile = planning.HardwareProfile("custom", args.flops, args.bandwidth, args.latency)
+        profile = planning.HardwareProfile(
+            "custom",
+            args.flops,
+            args.bandwidth,
+            args.latency,
+            memory_bytes_per_second=args.memory_bandwidth,
+        )
     # Wide enough for the table when the output is a log rather than a terminal.
     console = Console(width=None if sys.stdout.isatty() else 160)
     plan = planning.plan_mesh(

@@ -59,6 +59,11 @@ def test_main_job_plans_trains_and_reports_memory(capsys, api):
     losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
     out = capsys.readouterr().out
     assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
+    # The mesh plan's three best meshes of the 8 devices, each fitting the 2.5 MiB budget.
+    assert "8 devices, 2.50 MiB each, estimated on NVIDIA H100 SXM" in out
+    ranks = re.findall(r"^│ ([123]) │ ((?:\w+=\d+ ?)+)\s*│\s+([\d.]+) (KiB|MiB)", out, re.M)
+    assert [rank for rank, *_ in ranks] == ["1", "2", "3"], out
+    assert all(float(size) <= (2.5 if unit == "MiB" else 2560) for *_, size, unit in ranks)
     assert "train step per cpu device: arguments" in out
     assert "parameters + optimizer state" in out
     assert losses[-1] < losses[0]

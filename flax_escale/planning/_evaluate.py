@@ -197,7 +197,11 @@ def _compile(
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(
-            Figures.from_json(cached), shape=shape, corrections=corrections, cached=True
+            Figures.from_json(cached),
+            shape=shape,
+            corrections=corrections,
+            compile_seconds=0.0,
+            cached=True,
         )
     init = programs.init.compile(compiler_options=COMPILER_OPTIONS)
     step = programs.step.compile(compiler_options=COMPILER_OPTIONS)

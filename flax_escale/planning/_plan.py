@@ -183,7 +183,13 @@ def load_factory(reference: str) -> Factory:
 
 
 def _module_from_file(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    loaded = sys.modules.get(path.stem)
+    file = getattr(loaded, "__file__", None)
+    if file and Path(file).resolve() == path.resolve():
+        return loaded
+    # Never in place of another module of the same name (an installed package, say).
+    name = path.stem if loaded is None else f"flax_escale_plan_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"no such file {str(path)!r}")
     module = importlib.util.module_from_spec(spec)
@@ -306,7 +312,9 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
             # kept for the error message should the child fail.
             for line in child.stderr:
                 errors.append(line)
-                console.print(line.rstrip("\n"), markup=False, highlight=False, style="dim")
+                console.print(
+                    line.rstrip("\n"), markup=False, highlight=False, style="dim", soft_wrap=True
+                )
 
         drainer = threading.Thread(target=drain, daemon=True)
         drainer.start()
@@ -316,7 +324,7 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
             if line.startswith(EVENT_PREFIX):
                 events(json.loads(line[len(EVENT_PREFIX) :]))
             else:
-                console.print(line.rstrip("\n"), markup=False, highlight=False)
+                console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
         code = child.wait()
         drainer.join()
     if code != 0:

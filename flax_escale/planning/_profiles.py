@@ -32,6 +32,9 @@ class HardwareProfile:
             collective uses (one direction).
         collective_latency_seconds: The fixed cost of one collective, whatever its size.
         memory_bytes: One device's memory, the budget when none is given.
+        memory_bytes_per_second: One device's memory bandwidth, for the step's pass over its
+            train state (the optimizer update reads and writes every byte of it); ``None``
+            leaves that term out.
     """
 
     name: str
@@ -39,10 +42,17 @@ class HardwareProfile:
     interconnect_bytes_per_second: float
     collective_latency_seconds: float = 0.0
     memory_bytes: int | None = None
+    memory_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
-        for field in ("flops_per_second", "interconnect_bytes_per_second"):
+        for field in (
+            "flops_per_second",
+            "interconnect_bytes_per_second",
+            "memory_bytes_per_second",
+        ):
             value = getattr(self, field)
+            if field == "memory_bytes_per_second" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise EscaleError(
                     f"HardwareProfile {self.name!r}: {field} must be a positive number, got "
@@ -58,14 +68,15 @@ class HardwareProfile:
             check.positive_int(self.memory_bytes, "memory_bytes")
 
 
-# Vendors' published peak figures (dense bf16 FLOP/s; interconnect per device, one direction).
-# Real steps reach a fraction of them: the estimate ranks meshes, it does not predict seconds.
+# Vendors' published peak figures (dense bf16 FLOP/s; interconnect per device, one direction;
+# HBM bandwidth). Real steps reach a fraction of them: the estimate ranks meshes, it does not
+# predict seconds.
 PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile("NVIDIA H100 SXM", 989e12, 450e9, 10e-6, 80 * 10**9),
-    "h200": HardwareProfile("NVIDIA H200 SXM", 989e12, 450e9, 10e-6, 141 * 10**9),
-    "a100": HardwareProfile("NVIDIA A100 SXM 80GB", 312e12, 300e9, 10e-6, 80 * 10**9),
-    "tpu-v5e": HardwareProfile("Google TPU v5e", 197e12, 200e9, 5e-6, 16 * 10**9),
-    "tpu-v5p": HardwareProfile("Google TPU v5p", 459e12, 600e9, 5e-6, 95 * 10**9),
+    "h100": HardwareProfile("NVIDIA H100 SXM", 989e12, 450e9, 10e-6, 80 * 10**9, 3.35e12),
+    "h200": HardwareProfile("NVIDIA H200 SXM", 989e12, 450e9, 10e-6, 141 * 10**9, 4.8e12),
+    "a100": HardwareProfile("NVIDIA A100 SXM 80GB", 312e12, 300e9, 10e-6, 80 * 10**9, 2.04e12),
+    "tpu-v5e": HardwareProfile("Google TPU v5e", 197e12, 200e9, 5e-6, 16 * 10**9, 819e9),
+    "tpu-v5p": HardwareProfile("Google TPU v5p", 459e12, 600e9, 5e-6, 95 * 10**9, 2.765e12),
 }
 """The built-in profiles by name (``--profile NAME`` on the command line)."""
 
@@ -136,7 +147,8 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
     device), an all-gather of 16 MiB (bytes each device sends per second, as
-    :mod:`flax_escale._hlo` counts them) and an all-reduce of one value per device (latency).
+    :mod:`flax_escale._hlo` counts them), an all-reduce of one value per device (latency) and
+    an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:
         mesh: The mesh whose devices to measure.
@@ -165,8 +177,15 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     ones = jax.device_put(jnp.ones((n,), jnp.float32), split)
     reduce = jax.jit(lambda v: v.sum(), out_shardings=whole)
     latency = _seconds(reduce, (ones,), rounds)
+
+    # Read twice and written once per element, on every device at once.
+    streamed = jax.device_put(jnp.ones((n, 4 << 20), jnp.float32), split)
+    update = jax.jit(lambda v, g: v - 0.1 * g, out_shardings=split)
+    memory = 3 * 4 * (4 << 20) / _seconds(update, (streamed, streamed), rounds)
     platform = next(iter(flat.devices.flat)).platform
-    return HardwareProfile(f"measured: {platform} x {n}", flops, bandwidth, latency)
+    return HardwareProfile(
+        f"measured: {platform} x {n}", flops, bandwidth, latency, memory_bytes_per_second=memory
+    )
 
 
 def _seconds(fn: object, args: Sequence[jax.Array], rounds: int) -> float:

@@ -18,10 +18,11 @@ from flax_escale.sharding._plan import format_bytes
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
 
 ESTIMATE_TERMS = (
-    "estimated step time = FLOPs / peak FLOP/s + bytes each device sends in collectives / "
+    "estimated step time = FLOPs / peak FLOP/s + 2 x train-state bytes / memory bandwidth "
+    "(the optimizer update's pass over the state) + bytes each device sends in collectives / "
     "interconnect bandwidth + collectives run x latency; no overlap of compute and "
-    "communication, no memory-bandwidth, kernel-efficiency or multi-host (DCN) terms. An "
-    "estimate to rank meshes by, not a prediction of seconds."
+    "communication, no activations' memory traffic, kernel-efficiency or multi-host (DCN) "
+    "terms. An estimate to rank meshes by, not a prediction of seconds."
 )
 
 
@@ -33,7 +34,8 @@ class Candidate:
         figures: What planning and compiling it found (:class:`Figures`).
         fits: Whether its per-device peak (init or step, the larger) is within the budget;
             ``False`` for a mesh ruled out by its state alone, ``None`` if not compiled.
-        compute_seconds: FLOPs over the profile's peak.
+        compute_seconds: FLOPs over the profile's peak, plus the train state read and
+            written once at the profile's memory bandwidth (the optimizer update).
         communication_seconds: Collective bytes over the interconnect, plus latencies.
     """
 
@@ -87,10 +89,12 @@ class Candidate:
         counts = sum(count for count, _, _ in figures.collectives.values())
         wire = sum(w for _, _, w in figures.collectives.values())
         peak = max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
+        bandwidth = profile.memory_bytes_per_second
+        update = 2 * (figures.state_bytes or 0) / bandwidth if bandwidth else 0.0
         return cls(
             figures,
             peak <= memory_bytes,
-            (figures.flops or 0.0) / profile.flops_per_second,
+            (figures.flops or 0.0) / profile.flops_per_second + update,
             wire / profile.interconnect_bytes_per_second
             + counts * profile.collective_latency_seconds,
         )
@@ -137,8 +141,10 @@ class MeshPlan:
         def order(c: Candidate) -> tuple[Any, ...]:
             if c.fits:
                 return (0, c.step_seconds, c.peak_bytes)
-            if c.fits is False:
-                return (1, c.peak_bytes or c.figures.state_bytes or 0, 0)
+            if c.fits is False:  # compiled peaks first; a state alone is only a lower bound
+                if c.peak_bytes is not None:
+                    return (1, 0, c.peak_bytes)
+                return (1, 1, c.figures.state_bytes or 0)
             return (2, 0, 0)
 
         return cls(profile=profile, candidates=tuple(sorted(candidates, key=order)), **fields)
@@ -156,6 +162,12 @@ class MeshPlan:
     def recommendation(self) -> str:
         """The code that reproduces the recommended mesh and rules, or why there is none."""
         if self.best is None:
+            skipped = sum(c.figures.status == "skipped" for c in self.candidates)
+            if skipped and not any(c.figures.status == "compiled" for c in self.candidates):
+                return (
+                    f"No mesh was compiled: the time budget of {self.time_budget:g} s was spent "
+                    f"before any of the {skipped} candidates; give more time_budget (or none)."
+                )
             compiled = [c for c in self.candidates if c.fits is False]
             closest = min((c.peak_bytes for c in compiled if c.peak_bytes), default=None)
             hint = f" (the smallest peak was {format_bytes(closest)})" if closest else ""
