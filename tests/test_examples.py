@@ -1,28 +1,13 @@
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from example_modules import EXAMPLES, load
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(EXAMPLES))  # the examples import each other, as scripts do
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return module
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])

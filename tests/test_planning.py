@@ -10,14 +10,12 @@ import collections
 import dataclasses
 import functools
 import gc
-import importlib.util
 import io
 import json
 import math
 import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from example_modules import EXAMPLES, load
 from flax import nnx
 from rich.console import Console
 
@@ -49,22 +48,8 @@ from flax_escale.planning import _plan as plan_module
 from flax_escale.planning import _workload as workload_module
 from flax_escale.sharding._plan import format_bytes
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 AXES = ("fsdp", "tp")
 MiB = 2**20
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    sys.path.insert(0, str(EXAMPLES))  # the examples import each other, as scripts do
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return module
-
 
 # --- the examples, planned and checked against the real programs ----------------------------
 
