@@ -252,3 +252,36 @@ def test_declaring_a_class_makes_kept_programs_stale(mesh):
     after, seen = traced_or_compiled(lambda: fel.init_sharded(Plain(), mesh, KEY, X))
     assert ("compile", "jit(init)") in seen
     assert after["params"]["wi"]["kernel"].sharding.spec == P(("fsdp", "sp"), "tp")
+
+
+@fel.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+class ScannedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.Dense(16, use_bias=False)(x), None
+
+
+class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            ScannedLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=2,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return stack(name="layers")(x, None)[0]
+
+
+def test_a_scanned_stack_of_a_decorated_layer_is_kept(mesh):
+    # nn.scan subclasses the decorated layer at every trace; that declares nothing new.
+    first = fel.init_sharded(Scanned(), mesh, KEY, X)
+    second, seen = traced_or_compiled(lambda: fel.init_sharded(Scanned(), mesh, KEY, X))
+    assert seen == []
+    assert_bit_equal(first, second)
+    assert second["params"]["layers"]["Dense_0"]["kernel"].sharding.spec == P(
+        None, ("fsdp", "sp"), "tp"
+    )
+    info = fel.init_cache_info()
+    assert (info.hits, info.misses) == (1, 1)

@@ -68,7 +68,10 @@ def record(cls: type, patterns: Mapping[str, Sequence[str | None]] | None, attri
     compiled = AxesPatterns.compile(cls.__qualname__, patterns)
     inherited = getattr(cls, attribute, None)
     setattr(cls, attribute, compiled if inherited is None else compiled.then(inherited))
-    _current[0] = next(_version)
+    # A subclass that declares nothing changes no class's declarations: nn.scan makes one of
+    # a decorated layer at every trace, which must not make every kept program stale.
+    if patterns:
+        _current[0] = next(_version)
 
 
 def declarations_version() -> int:
