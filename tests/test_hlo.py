@@ -146,7 +146,7 @@ ENTRY %main (a: f32[16]) -> f32[16] {
 
 
 def test_the_group_sizes_of_a_compiled_program():
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     block = P("a", "b")
 
     def collectives(x):
