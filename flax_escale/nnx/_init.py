@@ -314,6 +314,22 @@ def _as_keys(rng: Any) -> Any:
     return jax.random.key(rng) if isinstance(rng, int) else rng
 
 
+def abstract_module(
+    model: Any, rng: Any, args: tuple, kwargs: dict
+) -> tuple[nnx.Module, list[str]]:
+    """The module ``model(*args, rngs=..., **kwargs)`` builds, traced only (no mesh needed).
+
+    Also returns the notes its declarations left (patterns that matched nothing).
+    """
+    check.rng(rng)
+    create = _constructor(model, args, kwargs)
+    # No mesh while tracing: with one, nnx.eval_shape resolves Flax out_sharding names with
+    # NNX's own lookup, which the library's rules (fallbacks repeat a name) make fail.
+    with nnx.use_eager_sharding(False), collecting_unused() as notes:
+        abstract = nnx.eval_shape(create, _as_keys(rng))
+    return abstract, notes
+
+
 def abstract_and_plan(
     model: Any,
     mesh: Mesh,
@@ -326,13 +342,7 @@ def abstract_and_plan(
     use_idle_axes: bool,
 ) -> tuple[nnx.Module, ShardingPlan]:
     check.mesh(mesh)
-    check.rng(rng)
-    create = _constructor(model, args, kwargs)
-    rng = _as_keys(rng)
-    # No mesh while tracing: with one, nnx.eval_shape resolves Flax out_sharding names with
-    # NNX's own lookup, which the library's rules (fallbacks repeat a name) make fail.
-    with nnx.use_eager_sharding(False), collecting_unused() as notes:
-        abstract = nnx.eval_shape(create, rng)
+    abstract, notes = abstract_module(model, rng, args, kwargs)
     treedef, items = annotated_leaves(nnx.state(abstract))
     items, unused = apply_overrides(items, overrides)
     plan = build_plan(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from flax_escale._dispatch import lower_init, plan_sharding
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.frontend import Overrides
 from flax_escale.mesh import _validate as check
-from flax_escale.nnx._init import abstract_and_plan, optimizer_layout
+from flax_escale.nnx._init import abstract_module, optimizer_layout
 from flax_escale.resolve import RulesLike
 from flax_escale.sharding import ShardingPlan, opt_state_shardings, use_sharding
 
@@ -137,6 +138,11 @@ class Workload:
     def lower_init(self, mesh: Mesh) -> jax.stages.Lowered:
         """The sharded initializer on ``mesh``, lowered (:func:`~flax_escale.lower_init`)."""
         return lower_init(self.model, mesh, self.rng, *self.args, **self._planning())
+
+    @functools.cached_property
+    def abstract_module(self) -> nnx.Module:
+        """The NNX module the workload builds, traced once: it depends on no mesh."""
+        return abstract_module(self.model, self.rng, self.args, dict(self.init_kwargs))[0]
 
     def _planning(self) -> dict[str, Any]:
         return {
@@ -259,17 +265,7 @@ def _linen_step(loss: Callable[..., Any]) -> Callable[..., Any]:
 def _nnx_state(
     workload: Workload, mesh: Mesh, plan: ShardingPlan
 ) -> tuple[nnx.State, Callable[..., Any]]:
-    abstract, _ = abstract_and_plan(
-        workload.model,
-        mesh,
-        workload.rng,
-        workload.args,
-        dict(workload.init_kwargs),
-        workload.rules,
-        False,
-        workload.overrides,
-        workload.use_idle_axes,
-    )
+    abstract = workload.abstract_module
     graphdef, values = nnx.split(abstract)
     model = nnx.merge(graphdef, _with_shardings(values, plan.shardings()))
     layout = optimizer_layout(model, workload.tx, shard_over=workload.shard_over)
