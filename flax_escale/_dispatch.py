@@ -17,13 +17,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flax_escale.errors import EscaleTypeError
+from flax_escale.frontend import _pipeline as pipeline
+from flax_escale.frontend._overrides import Overrides
 from flax_escale.linen import _annotate as linen_annotate
 from flax_escale.linen import _init as linen_init
 from flax_escale.nnx import _annotate as nnx_annotate
 from flax_escale.nnx import _init as nnx_init
+from flax_escale.resolve import RulesLike
 from flax_escale.sharding import ShardingPlan
+from flax_escale.sharding._plan import USE_IDLE_AXES
 
-__all__ = ["init_sharded", "lower_init", "plan_sharding", "sharded_module"]
+__all__ = ["front_end", "init_sharded", "lower_init", "plan_sharding", "sharded_module"]
 
 
 def sharded_module(
@@ -72,7 +76,17 @@ def sharded_module(
     )
 
 
-def plan_sharding(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -> ShardingPlan:
+def plan_sharding(
+    model: Any,
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = USE_IDLE_AXES,
+    **kwargs: Any,
+) -> ShardingPlan:
     """The sharding every variable of ``model`` gets on ``mesh``, without creating any.
 
     The model is only traced (``jax.eval_shape``). Every annotation is read the one way (Flax's
@@ -88,16 +102,18 @@ def plan_sharding(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -
         rng: For Linen, a key or a dict of keys, as ``model.init`` takes; for NNX, an ``int``
             seed, a key, or a dict of them by stream name, for ``nnx.Rngs``.
         *args: Example inputs (Linen) or constructor arguments (NNX).
-        **kwargs: ``rules=`` (logical-axis rules, a ``PartitionAxis`` or pairs; defaults to
-            Flax's rules context, then to ``PartitionAxis()``'s), ``strict=`` (raise on any
-            correction, logical name without a rule, or pattern that matched nothing),
-            ``overrides=`` (``{path pattern: logical axes}`` replacing the annotation of every
-            variable a pattern matches, the model's own included: how to correct a model
-            without editing its files), ``use_idle_axes=`` (default ``True``: a variable of
-            at least 1 MiB that the rules leave unsplit over a mesh axis other variables are
-            split over gets that axis on a dimension it divides, recorded in the plan; never
-            for activations), and what the front end passes on (Linen: ``method=``
-            and ``model.init``'s keywords; NNX: constructor keywords).
+        rules: The logical-axis rules, a ``PartitionAxis`` or pairs; defaults to Flax's rules
+            context, then to ``PartitionAxis()``'s.
+        strict: Raise on any correction, logical name without a rule, or pattern that
+            matched nothing, instead of warning.
+        overrides: ``{path pattern: logical axes}`` replacing the annotation of every variable
+            a pattern matches, the model's own included: how to correct a model without
+            editing its files.
+        use_idle_axes: A variable of at least 1 MiB that the rules leave unsplit over a mesh
+            axis other variables are split over gets that axis on a dimension it divides,
+            recorded in the plan (never for activations).
+        **kwargs: What the front end passes on (Linen: ``method=`` and ``model.init``'s
+            keywords; NNX: constructor keywords).
 
     Returns:
         The :class:`~flax_escale.ShardingPlan`: specs, shardings, corrections, ``describe()``.
@@ -118,10 +134,21 @@ def plan_sharding(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -
         >>> plan["params/kernel"].spec
         P(('fsdp', 'sp'), 'tp')
     """
-    return _front_end(model).plan_sharding(model, mesh, rng, *args, **kwargs)
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
+    return pipeline.plan(request)[1]
 
 
-def init_sharded(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -> Any:
+def init_sharded(
+    model: Any,
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = USE_IDLE_AXES,
+    **kwargs: Any,
+) -> Any:
     """Creates a model's variables directly in their sharded layout.
 
     One ``jax.jit`` of the model's initializer with ``out_shardings`` from
@@ -133,6 +160,10 @@ def init_sharded(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) ->
         mesh: The mesh.
         rng: As for :func:`plan_sharding`.
         *args: As for :func:`plan_sharding`.
+        rules: As for :func:`plan_sharding`.
+        strict: As for :func:`plan_sharding`.
+        overrides: As for :func:`plan_sharding`.
+        use_idle_axes: As for :func:`plan_sharding`.
         **kwargs: As for :func:`plan_sharding`.
 
     Returns:
@@ -156,10 +187,21 @@ def init_sharded(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) ->
         >>> up.wi.kernel.get_value().sharding.spec
         P(('fsdp', 'sp'), 'tp')
     """
-    return _front_end(model).init_sharded(model, mesh, rng, *args, **kwargs)
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
+    return pipeline.init(request)
 
 
-def lower_init(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+def lower_init(
+    model: Any,
+    mesh: Mesh,
+    rng: Any,
+    *args: Any,
+    rules: RulesLike = None,
+    strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = USE_IDLE_AXES,
+    **kwargs: Any,
+) -> jax.stages.Lowered:
     """The sharded initializer :func:`init_sharded` runs, lowered but neither compiled nor run.
 
     ``lower_init(...).compile().memory_analysis()`` gives the bytes each device needs,
@@ -178,20 +220,55 @@ def lower_init(model: Any, mesh: Mesh, rng: Any, *args: Any, **kwargs: Any) -> j
         >>> lowered.compile().memory_analysis().output_size_in_bytes  # 64 * 64 * 4 B / 8
         2048
     """
-    return _front_end(model).lower_init(model, mesh, rng, *args, **kwargs)
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
+    return pipeline.lower(request)[2]
 
 
-def _front_end(model: Any) -> Any:
+def front_end(model: Any) -> pipeline.FrontEnd:
+    """The front end of ``model``: Linen's for a module instance, NNX's for a constructor.
+
+    Raises:
+        EscaleTypeError: If ``model`` is neither (a Linen class is told to be instantiated).
+    """
     if isinstance(model, nn.Module):
-        return linen_init
+        return linen_init.FRONT_END
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise EscaleTypeError(
             f"model must be a Linen module instance, got the class {model.__name__}; pass "
             f"{model.__name__}(...) with its attributes."
         )
     if callable(model) and not isinstance(model, nnx.Module):
-        return nnx_init
+        return nnx_init.FRONT_END
     raise EscaleTypeError(
         "model must be a flax.linen.Module instance, or an NNX module class (or a callable "
         f"taking rngs=) that builds the module, got {model!r}."
+    )
+
+
+def _request(
+    model: Any,
+    mesh: Any,
+    rng: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rules: RulesLike,
+    strict: bool,
+    overrides: Overrides | None,
+    use_idle_axes: bool,
+) -> pipeline.Request:
+    chosen = front_end(model)
+    # Linen's init takes method=; an NNX constructor gets every keyword.
+    method = kwargs.pop("method", None) if chosen is linen_init.FRONT_END else None
+    return pipeline.request(
+        chosen,
+        model,
+        mesh,
+        rng,
+        args,
+        kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+        method=method,
     )

@@ -7,12 +7,14 @@ declarations are the same for both and live here.
 """
 
 from flax_escale.frontend._declare import DeclaringMixin, Install, declare, record
+from flax_escale.frontend._options import InitOptions
 from flax_escale.frontend._overrides import Overrides, apply_overrides
 from flax_escale.frontend._patterns import AxesPatterns, unused_pattern_note
 
 __all__ = [
     "AxesPatterns",
     "DeclaringMixin",
+    "InitOptions",
     "Install",
     "Overrides",
     "apply_overrides",

@@ -22,24 +22,24 @@ _STACK_HINT = "a layer stack's arrays have the stacked dimension too: name it, e
 
 
 def apply_overrides(
-    items: Sequence[tuple[str, Any, Annotation | None]], overrides: Overrides | None
+    items: Sequence[tuple[str, Any, Annotation | None]], overrides: AxesPatterns | None
 ) -> tuple[list[tuple[str, Any, Annotation | None]], list[str]]:
     """``items`` with the annotation of every variable an override matches replaced.
 
     Args:
         items: ``(path, abstract array, annotation)`` per variable, as the plan takes them.
-        overrides: ``{path pattern: logical axes}``, or ``None``.
+        overrides: ``{path pattern: logical axes}`` compiled (as
+            :meth:`~flax_escale.frontend.InitOptions.create` compiles them), or ``None``.
 
     Returns:
         The items, and a note for every pattern that matched no variable.
 
     Raises:
-        EscaleTypeError: If ``overrides`` is not a mapping of patterns to logical axes.
         EscaleError: If a matched variable has another rank than its override names.
     """
     if overrides is None:
         return list(items), []
-    patterns = AxesPatterns.compile("overrides", overrides)
+    patterns = overrides
     used: set[str] = set()
     replaced = []
     for path, leaf, annotation in items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
@@ -15,21 +16,19 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.frontend import Overrides, apply_overrides
-from flax_escale.frontend._init_cache import run_cached
+from flax_escale.frontend import _pipeline as pipeline
+from flax_escale.frontend._options import InitOptions
+from flax_escale.frontend._overrides import Overrides
 from flax_escale.linen._annotate import annotating
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import assert_same_mesh, with_auto_axes
-from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.sharding import (
-    ShardingPlan,
-    annotated_leaves,
-    build_plan,
-    init_opt_state,
-    use_sharding,
-)
+from flax_escale.mesh import with_auto_axes
+from flax_escale.resolve import RulesLike
+from flax_escale.sharding import ShardingPlan, annotated_leaves
+from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._optimizer import create_checked
 from flax_escale.sharding._paths import is_box
 from flax_escale.sharding._paths import unbox as unbox_leaf
+from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["init_sharded", "init_train_state", "lower_init", "plan_sharding"]
 
@@ -42,7 +41,7 @@ def plan_sharding(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> ShardingPlan:
@@ -65,22 +64,20 @@ def plan_sharding(
         method: Passed to ``model.init``.
         **init_kwargs: Passed to ``model.init``.
     """
-    _check_model(model)
-    _check_method(model, method)
-    check.mesh(mesh)
-    check.rng(rng)
-    # Under the Auto twin: Flax's boxes constrain each parameter as the model reads it, which
-    # on Explicit axes would assert the unsharded value's sharding instead.
-    with use_sharding(with_auto_axes(mesh), rules) as frozen, annotating() as annotator:
-        abstract = jax.eval_shape(
-            _initializer(model, method, init_kwargs, unbox=False), rng, *inputs
+    return pipeline.plan(
+        _request(
+            model,
+            mesh,
+            rng,
+            inputs,
+            init_kwargs,
+            rules=rules,
+            strict=strict,
+            overrides=overrides,
+            use_idle_axes=use_idle_axes,
+            method=method,
         )
-    treedef, items = annotated_leaves(abstract, sources=annotator.sources)
-    items, unused = apply_overrides(items, overrides)
-    notes = [*annotator.unused(), *unused]
-    return build_plan(
-        treedef, items, mesh, rules=frozen, strict=strict, notes=notes, use_idle_axes=use_idle_axes
-    )
+    )[1]
 
 
 def init_sharded(
@@ -91,7 +88,7 @@ def init_sharded(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> dict[str, Any]:
@@ -116,17 +113,20 @@ def init_sharded(
         >>> variables["params"]["kernel"].sharding.spec
         P(('fsdp', 'sp'), 'tp')
     """
-    _check_model(model)
-    check.mesh(mesh)
-    check.rng(rng)
-    planning = _planning(rules, strict, overrides, use_idle_axes, method)
-    # The rules in their frozen form: the same rules given as lists or by context key alike.
-    options = ("linen", mesh, {**planning, "rules": as_logical_rules(rules)}, init_kwargs)
-
-    def build() -> jax.stages.Compiled:
-        return lower_init(model, mesh, rng, *inputs, **planning, **init_kwargs).compile()
-
-    return run_cached(model, options, (rng, *inputs), build, lambda init: init(rng, *inputs))
+    return pipeline.init(
+        _request(
+            model,
+            mesh,
+            rng,
+            inputs,
+            init_kwargs,
+            rules=rules,
+            strict=strict,
+            overrides=overrides,
+            use_idle_axes=use_idle_axes,
+            method=method,
+        )
+    )
 
 
 def lower_init(
@@ -137,7 +137,7 @@ def lower_init(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
 ) -> jax.stages.Lowered:
@@ -145,16 +145,20 @@ def lower_init(
 
     Arguments are :func:`plan_sharding`'s.
     """
-    _check_model(model)
-    check.mesh(mesh)
-    check.rng(rng)
-    assert_same_mesh(mesh)
-    planning = _planning(rules, strict, overrides, use_idle_axes, method)
-    plan = plan_sharding(model, mesh, rng, *inputs, **planning, **init_kwargs)
-    init = _initializer(model, method, init_kwargs, unbox=True)
-    # Traced under the mesh's Auto twin: values bit-equal to jax.jit(model.init).
-    with use_sharding(with_auto_axes(mesh), rules):
-        return jax.jit(init, out_shardings=plan.shardings()).lower(rng, *inputs)
+    return pipeline.lower(
+        _request(
+            model,
+            mesh,
+            rng,
+            inputs,
+            init_kwargs,
+            rules=rules,
+            strict=strict,
+            overrides=overrides,
+            use_idle_axes=use_idle_axes,
+            method=method,
+        )
+    )[2]
 
 
 def init_train_state(
@@ -166,7 +170,7 @@ def init_train_state(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     shard_over: Sequence[str] = (),
     method: Callable[..., Any] | str | None = None,
     **init_kwargs: Any,
@@ -217,9 +221,21 @@ def init_train_state(
         >>> state.step.dtype, state.step.sharding.spec
         (dtype('int32'), P())
     """
-    check.names(shard_over, "shard_over")
-    planning = _planning(rules, strict, overrides, use_idle_axes, method)
-    variables = init_sharded(model, mesh, rng, *inputs, **planning, **init_kwargs)
+    tx = check.transformation(tx, "tx")
+    shard_over = check.names(shard_over, "shard_over")
+    request = _request(
+        model,
+        mesh,
+        rng,
+        inputs,
+        init_kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+        method=method,
+    )
+    variables = pipeline.init(request)
     others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
     if others:
         raise EscaleError(
@@ -228,24 +244,69 @@ def init_train_state(
             "keep the other collections yourself."
         )
     params = variables["params"]
-    opt_state = init_opt_state(tx, params, shard_over=shard_over)
+    opt_state = create_checked(tx, params, shard_over)
     # A Python int would be traced as a weakly typed scalar, and the int32 array the first
     # step returns would make a jitted step compile a second time.
     step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
     return TrainState(step=step, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
 
 
-def _planning(
-    rules: RulesLike, strict: bool, overrides: Overrides | None, use_idle_axes: bool, method: Any
-) -> dict[str, Any]:
-    # The keywords every entry point hands on to the next one, in one place.
-    return {
-        "rules": rules,
-        "strict": strict,
-        "overrides": overrides,
-        "use_idle_axes": use_idle_axes,
-        "method": method,
-    }
+class LinenFrontEnd:
+    """The pipeline's Linen side: ``model.init`` traced, jitted and returned unboxed."""
+
+    name = "linen"
+    trace_needs_mesh = True
+
+    def check(
+        self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any
+    ) -> pipeline.ModelCall:
+        """Checks that ``model`` is a Linen module and ``method`` one of its methods."""
+        _check_model(model)
+        _check_method(model, method)
+        return pipeline.ModelCall(model, rng, args, kwargs)
+
+    def trace(self, call: pipeline.ModelCall, mesh: Mesh, options: InitOptions) -> pipeline.Traced:
+        """``jax.eval_shape`` of ``model.init`` with its boxes, under ``mesh`` and the rules."""
+        init = _initializer(call.model, options.method, call.kwargs, unbox=False)
+        # Under the Auto twin: Flax's boxes constrain each parameter as the model reads it,
+        # which on Explicit axes would assert the unsharded value's sharding instead.
+        with (
+            sharding_context(with_auto_axes(mesh), options.rules),
+            annotating() as annotator,
+        ):
+            abstract = jax.eval_shape(init, call.rng, *call.args)
+        treedef, items = annotated_leaves(abstract, sources=annotator.sources)
+        return pipeline.Traced(treedef, tuple(items), tuple(annotator.unused()))
+
+    def initializer(
+        self, call: pipeline.ModelCall, options: InitOptions
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+        """``model.init`` returning plain arrays; the rng and inputs are its arguments."""
+        init = _initializer(call.model, options.method, call.kwargs, unbox=True)
+        return init, (call.rng, *call.args), call.kwargs
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """Nothing besides the mesh and rules."""
+        return contextlib.nullcontext()
+
+    def finish(self, variables: Any, plan: ShardingPlan, traced: pipeline.Traced) -> Any:
+        """The variables as they are."""
+        del plan, traced
+        return variables
+
+
+FRONT_END = LinenFrontEnd()
+
+
+def _request(
+    model: Any,
+    mesh: Any,
+    rng: Any,
+    inputs: tuple[Any, ...],
+    init_kwargs: dict[str, Any],
+    **options: Any,
+) -> pipeline.Request:
+    return pipeline.request(FRONT_END, model, mesh, rng, inputs, init_kwargs, **options)
 
 
 def _check_model(model: Any) -> None:

@@ -26,7 +26,7 @@ from flax_escale._compat import coordination_client
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.mesh._validate import describe
 
-__all__ = ["assert_same_mesh"]
+__all__ = ["agree_on_mesh", "assert_same_mesh"]
 
 _KEY_PREFIX = "flax_escale/assert_same_mesh"
 
@@ -83,6 +83,11 @@ def assert_same_mesh(mesh: Mesh, *, timeout: float = 60.0) -> None:
         )
     if not timeout > 0:
         raise MeshError(f"assert_same_mesh: timeout must be positive seconds, got {timeout!r}.")
+    agree_on_mesh(mesh, timeout)
+
+
+def agree_on_mesh(mesh: Mesh, timeout: float = 60.0) -> None:
+    """:func:`assert_same_mesh` for a mesh and timeout already checked."""
     num_processes = jax.process_count()
     if num_processes == 1:
         return

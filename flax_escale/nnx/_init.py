@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -11,15 +12,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError
-from flax_escale.frontend import Overrides, apply_overrides
-from flax_escale.frontend._init_cache import run_cached
+from flax_escale.frontend import _pipeline as pipeline
+from flax_escale.frontend._overrides import Overrides
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import assert_same_mesh, with_auto_axes
 from flax_escale.nnx._annotate import collecting_unused
-from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves, build_plan, use_sharding
+from flax_escale.resolve import RulesLike
+from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves
 from flax_escale.sharding._optimizer import follow_shardings
 from flax_escale.sharding._paths import flatten_with_paths
+from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["init_optimizer", "init_sharded", "lower_init", "plan_sharding"]
 
@@ -32,7 +33,7 @@ def plan_sharding(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     **kwargs: Any,
 ) -> ShardingPlan:
     """The sharding of every variable ``model(*args, rngs=..., **kwargs)`` would build.
@@ -54,10 +55,18 @@ def plan_sharding(
         use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
         **kwargs: Constructor keyword arguments.
     """
-    _, plan = abstract_and_plan(
-        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+    request = _request(
+        model,
+        mesh,
+        rng,
+        args,
+        kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
     )
-    return plan
+    return pipeline.plan(request)[1]
 
 
 def init_sharded(
@@ -68,7 +77,7 @@ def init_sharded(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     **kwargs: Any,
 ) -> nnx.Module:
     """Builds ``model(*args, rngs=nnx.Rngs(rng), **kwargs)`` with every variable born sharded.
@@ -97,33 +106,18 @@ def init_sharded(
         >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
         P(('fsdp', 'sp'), 'tp')
     """
-    check.mesh(mesh)
-    check.rng(rng)
-    keys = _as_keys(rng)
-    options = (
-        "nnx",
+    request = _request(
+        model,
         mesh,
-        as_logical_rules(rules),
-        strict,
-        overrides,
-        use_idle_axes,
+        rng,
         args,
         kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
     )
-
-    def build() -> tuple[Any, ShardingPlan, jax.stages.Compiled]:
-        graphdef, plan, lowered = _lowered(
-            model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
-        )
-        return graphdef, plan, lowered.compile()
-
-    graphdef, plan, state = run_cached(
-        model, options, keys, build, lambda built: (*built[:2], built[2](keys))
-    )
-    module = nnx.merge(graphdef, state)
-    for entry, (_, variable) in zip(plan, _variables(module), strict=True):
-        variable.set_metadata(**_sharding_metadata(entry))
-    return module
+    return pipeline.init(request)
 
 
 def lower_init(
@@ -134,39 +128,25 @@ def lower_init(
     rules: RulesLike = None,
     strict: bool = False,
     overrides: Overrides | None = None,
-    use_idle_axes: bool = True,
+    use_idle_axes: bool = USE_IDLE_AXES,
     **kwargs: Any,
 ) -> jax.stages.Lowered:
     """The sharded constructor :func:`init_sharded` runs, lowered: :func:`flax_escale.lower_init`.
 
     Arguments are :func:`plan_sharding`'s.
     """
-    return _lowered(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)[2]
-
-
-def _lowered(
-    model: Any,
-    mesh: Mesh,
-    rng: Any,
-    args: tuple,
-    kwargs: dict,
-    rules: RulesLike,
-    strict: bool,
-    overrides: Overrides | None,
-    use_idle_axes: bool,
-) -> tuple[Any, ShardingPlan, jax.stages.Lowered]:
-    check.mesh(mesh)
-    check.rng(rng)
-    assert_same_mesh(mesh)
-    abstract, plan = abstract_and_plan(
-        model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes
+    request = _request(
+        model,
+        mesh,
+        rng,
+        args,
+        kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
     )
-    graphdef, _ = nnx.split(abstract)
-    create = _constructor(model, args, kwargs)
-    init = jax.jit(lambda key: nnx.state(create(key)), out_shardings=plan.shardings())
-    # Traced under the mesh's Auto twin: values bit-equal to jax.jit of the constructor.
-    with use_sharding(with_auto_axes(mesh), rules), nnx.use_eager_sharding(False):
-        return graphdef, plan, init.lower(_as_keys(rng))
+    return pipeline.lower(request)[2]
 
 
 def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
@@ -225,7 +205,10 @@ def init_optimizer(
         >>> opt.opt_state[0].mu["wi"]["kernel"].get_value().sharding.spec  # tp=1 splits nothing
         P(('fsdp', 'sp', 'dp'), None)
     """
-    layout = optimizer_layout(model, tx, wrt=wrt, shard_over=shard_over)
+    if not isinstance(model, nnx.Module):
+        raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
+    tx = check.transformation(tx, "tx")
+    layout = optimizer_layout(model, tx, wrt=wrt, shard_over=check.names(shard_over, "shard_over"))
     with nnx.use_eager_sharding(False):
         init = jax.jit(lambda s: nnx.state(layout.make(s)), out_shardings=layout.shardings)
         opt_state = init(layout.state)
@@ -255,15 +238,14 @@ def optimizer_layout(
     tx: optax.GradientTransformation,
     *,
     wrt: Any = nnx.Param,
-    shard_over: Sequence[str] = (),
+    shard_over: tuple[str, ...] = (),
 ) -> OptimizerLayout:
     """The optimizer :func:`init_optimizer` would build, traced only; arguments are its own.
 
-    The model's variables may hold arrays or ``jax.ShapeDtypeStruct`` with shardings.
+    The arguments are taken as checked (``model`` a module, ``tx`` a transformation,
+    ``shard_over`` a tuple of names). The model's variables may hold arrays or
+    ``jax.ShapeDtypeStruct`` with shardings.
     """
-    if not isinstance(model, nnx.Module):
-        raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
-    check.transformation(tx, "tx")
     graphdef, state = nnx.split(model)
     tracked = []
     for path, variable in _variables(model):
@@ -288,12 +270,78 @@ def optimizer_layout(
     return OptimizerLayout(make, state, opt_graphdef, abstract_state, shardings)
 
 
-def _constructor(model: Any, args: tuple, kwargs: dict) -> Callable[[Any], nnx.Module]:
-    if not callable(model) or isinstance(model, nnx.Module):
-        raise EscaleTypeError(
-            f"model must be an NNX module class or a callable taking rngs=, got {model!r}; "
-            "for a Linen module use flax_escale.linen.init_sharded."
-        )
+class NnxFrontEnd:
+    """The pipeline's NNX side: the constructor traced, jitted and merged into a module."""
+
+    name = "nnx"
+    trace_needs_mesh = False
+
+    def check(
+        self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any
+    ) -> pipeline.ModelCall:
+        """Checks that ``model`` builds an NNX module; seeds become keys (once)."""
+        del method  # Linen's; NNX entry points have none
+        if not callable(model) or isinstance(model, nnx.Module):
+            raise EscaleTypeError(
+                f"model must be an NNX module class or a callable taking rngs=, got {model!r}; "
+                "for a Linen module use flax_escale.linen.init_sharded."
+            )
+        return pipeline.ModelCall(model, _as_keys(rng), args, kwargs)
+
+    def trace(
+        self, call: pipeline.ModelCall, mesh: Mesh | None = None, options: Any = None
+    ) -> pipeline.Traced:
+        """``nnx.eval_shape`` of the constructor, with no mesh: it depends on none."""
+        del mesh, options
+        # No mesh while tracing: with one, nnx.eval_shape resolves Flax out_sharding names
+        # with NNX's own lookup, which the library's rules (fallbacks repeat a name) make fail.
+        with nnx.use_eager_sharding(False), collecting_unused() as notes:
+            abstract = nnx.eval_shape(_constructor(call), call.rng)
+        treedef, items = annotated_leaves(nnx.state(abstract))
+        return pipeline.Traced(treedef, tuple(items), tuple(notes), abstract)
+
+    def initializer(
+        self, call: pipeline.ModelCall, options: Any
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+        """The constructor returning its state; the keys are its argument."""
+        del options
+        create = _constructor(call)
+        return (lambda keys: nnx.state(create(keys))), (call.rng,), (call.args, call.kwargs)
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """Flax's eager sharding off: the plan's ``out_shardings`` place every variable."""
+        return nnx.use_eager_sharding(False)
+
+    def finish(self, variables: Any, plan: ShardingPlan, traced: pipeline.Traced) -> nnx.Module:
+        """The module, each variable's metadata naming its resolved spec."""
+        module = nnx.merge(nnx.split(traced.abstract)[0], variables)
+        for entry, (_, variable) in zip(plan, _variables(module), strict=True):
+            variable.set_metadata(**_sharding_metadata(entry))
+        return module
+
+
+FRONT_END = NnxFrontEnd()
+
+
+def abstract_module(model: Any, rng: Any, args: tuple = (), kwargs: Any = None) -> nnx.Module:
+    """The module ``model(*args, rngs=..., **kwargs)`` builds, traced only (no mesh needed).
+
+    Raises:
+        EscaleTypeError: If ``model`` does not build an NNX module or ``rng`` is no key or seed.
+    """
+    check.rng(rng)
+    call = FRONT_END.check(model, rng, args, dict(kwargs or {}), None)
+    return FRONT_END.trace(call).abstract
+
+
+def _request(
+    model: Any, mesh: Any, rng: Any, args: tuple, kwargs: dict, **options: Any
+) -> pipeline.Request:
+    return pipeline.request(FRONT_END, model, mesh, rng, args, kwargs, **options)
+
+
+def _constructor(call: pipeline.ModelCall) -> Callable[[Any], nnx.Module]:
+    model, args, kwargs = call.model, call.args, call.kwargs
 
     def create(rng: Any) -> nnx.Module:
         rngs = nnx.Rngs(**rng) if isinstance(rng, dict) else nnx.Rngs(rng)
@@ -312,49 +360,6 @@ def _as_keys(rng: Any) -> Any:
     if isinstance(rng, dict):
         return {name: _as_keys(seed) for name, seed in rng.items()}
     return jax.random.key(rng) if isinstance(rng, int) else rng
-
-
-def abstract_module(
-    model: Any, rng: Any, args: tuple, kwargs: dict
-) -> tuple[nnx.Module, list[str]]:
-    """The module ``model(*args, rngs=..., **kwargs)`` builds, traced only (no mesh needed).
-
-    Also returns the notes its declarations left (patterns that matched nothing).
-    """
-    check.rng(rng)
-    create = _constructor(model, args, kwargs)
-    # No mesh while tracing: with one, nnx.eval_shape resolves Flax out_sharding names with
-    # NNX's own lookup, which the library's rules (fallbacks repeat a name) make fail.
-    with nnx.use_eager_sharding(False), collecting_unused() as notes:
-        abstract = nnx.eval_shape(create, _as_keys(rng))
-    return abstract, notes
-
-
-def abstract_and_plan(
-    model: Any,
-    mesh: Mesh,
-    rng: Any,
-    args: tuple,
-    kwargs: dict,
-    rules: RulesLike,
-    strict: bool,
-    overrides: Overrides | None,
-    use_idle_axes: bool,
-) -> tuple[nnx.Module, ShardingPlan]:
-    check.mesh(mesh)
-    abstract, notes = abstract_module(model, rng, args, kwargs)
-    treedef, items = annotated_leaves(nnx.state(abstract))
-    items, unused = apply_overrides(items, overrides)
-    plan = build_plan(
-        treedef,
-        items,
-        mesh,
-        rules=rules,
-        strict=strict,
-        notes=[*notes, *unused],
-        use_idle_axes=use_idle_axes,
-    )
-    return abstract, plan
 
 
 def _variables(module: nnx.Module) -> list[tuple[str, nnx.Variable]]:

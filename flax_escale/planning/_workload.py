@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +17,19 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale._data import batch_sharding
-from flax_escale._dispatch import lower_init, plan_sharding
+from flax_escale._dispatch import front_end
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.frontend import Overrides
+from flax_escale.frontend import _pipeline as pipeline
+from flax_escale.frontend._options import InitOptions
+from flax_escale.frontend._overrides import Overrides
+from flax_escale.linen import _init as linen_init
 from flax_escale.mesh import _validate as check
-from flax_escale.nnx._init import abstract_module, optimizer_layout
+from flax_escale.nnx._init import optimizer_layout
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding import ShardingPlan, opt_state_shardings, use_sharding
+from flax_escale.sharding import ShardingPlan
+from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._optimizer import shardings_checked
+from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["Programs", "Workload", "lower_programs", "mean_square"]
 
@@ -80,7 +85,7 @@ class Workload:
     loss: Callable[..., Any] | None = None
     rules: RulesLike = None
     overrides: Overrides | None = None
-    use_idle_axes: bool = True
+    use_idle_axes: bool = USE_IDLE_AXES
     shard_over: Sequence[str] = ()
     init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -117,40 +122,59 @@ class Workload:
         for name in ("step", "loss"):
             if getattr(self, name) is not None:
                 check.callable_(getattr(self, name), f"Workload {name}")
-        check.names(self.shard_over, "Workload shard_over")
+        object.__setattr__(self, "shard_over", check.names(self.shard_over, "Workload shard_over"))
+        # The model, its arguments and the options are checked here, once for every mesh.
+        _ = self.call, self.options
 
     @property
     def is_linen(self) -> bool:
         """Whether the model is a Linen module (else NNX)."""
-        if isinstance(self.model, nn.Module):
-            return True
-        if callable(self.model) and not isinstance(self.model, nnx.Module):
-            return False
-        raise EscaleTypeError(
-            "Workload: model must be a flax.linen.Module instance, or an NNX module class (or "
-            f"a callable taking rngs=), got {check.describe(self.model)}."
+        return self._front_end is linen_init.FRONT_END
+
+    @functools.cached_property
+    def _front_end(self) -> pipeline.FrontEnd:
+        try:
+            return front_end(self.model)
+        except EscaleTypeError as error:
+            raise EscaleTypeError(f"Workload: {error}") from None
+
+    @functools.cached_property
+    def call(self) -> pipeline.ModelCall:
+        """The model and its arguments, checked once for every mesh."""
+        kwargs = dict(self.init_kwargs)
+        method = kwargs.pop("method", None) if self.is_linen else None
+        return pipeline.checked_call(
+            self._front_end, self.model, self.rng, self.args, kwargs, method
         )
+
+    @functools.cached_property
+    def options(self) -> InitOptions:
+        """The planning options, checked and frozen once (the rules as they are now)."""
+        return InitOptions.create(
+            rules=self.rules,
+            overrides=self.overrides,
+            use_idle_axes=self.use_idle_axes,
+            method=dict(self.init_kwargs).get("method") if self.is_linen else None,
+        )
+
+    def request(self, mesh: Mesh) -> pipeline.Request:
+        """The pipeline's request for ``mesh``."""
+        return pipeline.Request(self._front_end, self.call, mesh, self.options)
+
+    @functools.cached_property
+    def traced(self) -> pipeline.Traced | None:
+        """The variables traced once, when tracing depends on no mesh (NNX); else ``None``."""
+        if self._front_end.trace_needs_mesh:
+            return None
+        return self._front_end.trace(self.call, None, self.options)
 
     def plan(self, mesh: Mesh) -> ShardingPlan:
         """The variables' sharding plan on ``mesh`` (:func:`~flax_escale.plan_sharding`)."""
-        return plan_sharding(self.model, mesh, self.rng, *self.args, **self._planning())
+        return pipeline.plan(self.request(mesh), self.traced)[1]
 
     def lower_init(self, mesh: Mesh) -> jax.stages.Lowered:
         """The sharded initializer on ``mesh``, lowered (:func:`~flax_escale.lower_init`)."""
-        return lower_init(self.model, mesh, self.rng, *self.args, **self._planning())
-
-    @functools.cached_property
-    def abstract_module(self) -> nnx.Module:
-        """The NNX module the workload builds, traced once: it depends on no mesh."""
-        return abstract_module(self.model, self.rng, self.args, dict(self.init_kwargs))[0]
-
-    def _planning(self) -> dict[str, Any]:
-        return {
-            "rules": self.rules,
-            "overrides": self.overrides,
-            "use_idle_axes": self.use_idle_axes,
-            **self.init_kwargs,
-        }
+        return pipeline.lower(self.request(mesh), self.traced)[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +199,7 @@ class Programs:
 def batch_shardings(workload: Workload, mesh: Mesh) -> list[Any]:
     """The sharding of every array of the workload's batch on ``mesh``."""
     return [
-        batch_sharding(mesh, tuple(x.shape), rules=workload.rules)
+        batch_sharding(mesh, tuple(x.shape), rules=workload.options.rules)
         if len(x.shape)
         else NamedSharding(mesh, PartitionSpec())
         for x in workload.batch
@@ -208,7 +232,7 @@ def lower_programs(workload: Workload, mesh: Mesh, plan: ShardingPlan | None = N
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         for x, s in zip(workload.batch, batch, strict=True)
     ]
-    with use_sharding(mesh, workload.rules):
+    with sharding_context(mesh, workload.options.rules):
         lowered = jitted.lower(state, *examples)
     return Programs(plan, init, lowered, _max_device_bytes(state))
 
@@ -242,7 +266,7 @@ def _linen_state(
     tx = workload.tx
     opt = _with_shardings(
         jax.eval_shape(tx.init, params),
-        opt_state_shardings(tx, params, shard_over=workload.shard_over),
+        shardings_checked(tx, params, workload.shard_over),
     )
     step = _abstract((), np.int32, NamedSharding(mesh, PartitionSpec()))
     state = TrainState(
@@ -265,8 +289,7 @@ def _linen_step(loss: Callable[..., Any]) -> Callable[..., Any]:
 def _nnx_state(
     workload: Workload, mesh: Mesh, plan: ShardingPlan
 ) -> tuple[nnx.State, Callable[..., Any]]:
-    abstract = workload.abstract_module
-    graphdef, values = nnx.split(abstract)
+    graphdef, values = nnx.split(workload.traced.abstract)
     model = nnx.merge(graphdef, _with_shardings(values, plan.shardings()))
     layout = optimizer_layout(model, workload.tx, shard_over=workload.shard_over)
     opt_values = _with_shardings(layout.abstract, layout.shardings)

@@ -16,7 +16,7 @@ from flax_escale.mesh import _validate as check
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.resolve._fit import mesh_axes_of
 
-__all__ = ["use_sharding"]
+__all__ = ["sharding_context", "use_sharding"]
 
 
 @contextlib.contextmanager
@@ -62,9 +62,17 @@ def use_sharding(
         >>> y.sharding.spec
         P('fsdp', 'tp')
     """
-    mesh = check.mesh(mesh)
-    strict = check.flag(strict, "strict")
-    frozen = as_logical_rules(rules)
+    with sharding_context(
+        check.mesh(mesh), as_logical_rules(rules), strict=check.flag(strict, "strict")
+    ) as frozen:
+        yield frozen
+
+
+@contextlib.contextmanager
+def sharding_context(
+    mesh: Mesh, frozen: LogicalRules, *, strict: bool = False
+) -> Iterator[LogicalRules]:
+    """:func:`use_sharding` for values already checked: a mesh, frozen rules and a bool."""
     present = set(mesh.axis_names)
     absent = [(n, t) for n, t in frozen if not set(mesh_axes_of(t)) <= present]
     if absent:
@@ -77,7 +85,7 @@ def use_sharding(
         )
         if strict:
             raise ShardingResolutionError(message + " (strict=True)")
-        warnings.warn(message, ShardingCorrectionWarning, stacklevel=3)
+        warnings.warn(message, ShardingCorrectionWarning, stacklevel=5)
     available = [(name, None if (name, target) in absent else target) for name, target in frozen]
     with jax.set_mesh(mesh), nn.logical_axis_rules(available):
         yield frozen

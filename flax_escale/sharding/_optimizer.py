@@ -25,10 +25,12 @@ from flax_escale.sharding._paths import flatten_with_paths
 __all__ = [
     "Followed",
     "add_data_axes",
+    "create_checked",
     "follow_params",
     "follow_shardings",
     "init_opt_state",
     "opt_state_shardings",
+    "shardings_checked",
 ]
 
 T = TypeVar("T")
@@ -76,8 +78,15 @@ def opt_state_shardings(
         >>> s[0].mu["w"].spec, s[0].count.spec
         (P(('fsdp', 'dp'), None), P())
     """
-    tx = check.transformation(tx, "tx")
-    shard_over = check.names(shard_over, "shard_over")
+    return shardings_checked(
+        check.transformation(tx, "tx"), params, check.names(shard_over, "shard_over")
+    )
+
+
+def shardings_checked(
+    tx: optax.GradientTransformation, params: Any, shard_over: tuple[str, ...]
+) -> Any:
+    """:func:`opt_state_shardings` for a transformation and axis names already checked."""
     flat, _ = flatten_with_paths(params)
     tracked = [(path, np.shape(value), _named_sharding(value)) for path, value, _ in flat]
     meshes = {sharding.mesh for _, _, sharding in tracked}
@@ -110,7 +119,16 @@ def init_opt_state(
         >>> state[0].nu["w"].sharding.spec, state[0].nu["w"].addressable_shards[0].data.shape
         (P('fsdp',), (2, 4))
     """
-    shardings = opt_state_shardings(tx, params, shard_over=shard_over)
+    return create_checked(
+        check.transformation(tx, "tx"), params, check.names(shard_over, "shard_over")
+    )
+
+
+def create_checked(
+    tx: optax.GradientTransformation, params: Any, shard_over: tuple[str, ...]
+) -> Any:
+    """:func:`init_opt_state` for a transformation and axis names already checked."""
+    shardings = shardings_checked(tx, params, shard_over)
     return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
@@ -157,7 +175,6 @@ def follow_shardings(
         >>> s["mu"]["wi"]["kernel"].spec, s["count"].spec
         (P(('fsdp', 'dp'), None), P())
     """
-    shard_over = check.names(shard_over, "shard_over")
     missing = [a for a in shard_over if a not in mesh.shape]
     if missing:
         raise EscaleError(

@@ -32,7 +32,18 @@ from flax_escale.resolve._fit import Correction, mesh_axes_of
 from flax_escale.resolve._logical import resolve_checked
 from flax_escale.sharding._annotation import Annotation
 
-__all__ = ["IDLE_AXES_MIN_BYTES", "PlanEntry", "ShardingPlan", "build_plan", "format_bytes"]
+__all__ = [
+    "IDLE_AXES_MIN_BYTES",
+    "USE_IDLE_AXES",
+    "PlanEntry",
+    "ShardingPlan",
+    "build_plan",
+    "format_bytes",
+    "plan_checked",
+]
+
+USE_IDLE_AXES = True
+"""The one default of every ``use_idle_axes`` option: parameters reach their ideal share."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +197,7 @@ def build_plan(
     rules: RulesLike = None,
     strict: bool = False,
     notes: Sequence[str] = (),
-    use_idle_axes: bool = False,
+    use_idle_axes: bool = USE_IDLE_AXES,
 ) -> ShardingPlan:
     """Resolves every array's annotation with the one resolver, shape-aware on ``mesh``.
 
@@ -212,8 +223,28 @@ def build_plan(
         EscaleError: In strict mode, if there are notes.
         EscaleTypeError: If ``mesh`` is not a mesh.
     """
-    check.mesh(mesh)
-    frozen = as_logical_rules(rules)
+    return plan_checked(
+        treedef,
+        items,
+        check.mesh(mesh),
+        as_logical_rules(rules),
+        strict=check.flag(strict, "strict"),
+        notes=tuple(notes),
+        use_idle_axes=check.flag(use_idle_axes, "use_idle_axes"),
+    )
+
+
+def plan_checked(
+    treedef: Any,
+    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
+    mesh: Mesh,
+    frozen: LogicalRules,
+    *,
+    strict: bool,
+    notes: tuple[str, ...],
+    use_idle_axes: bool,
+) -> ShardingPlan:
+    """:func:`build_plan` for values already checked: a mesh, frozen rules, bools, notes."""
     resolved: dict[str, Resolution] = {}
     # Parameters first: optimizer state that follows one takes the spec it resolved to.
     leading = [item for item in items if _follows(item[2]) is None]
@@ -239,9 +270,9 @@ def build_plan(
         warnings.warn(
             "\n".join([*problems, *notes]) + "\n(Pass strict=True to make these errors.)",
             ShardingCorrectionWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    return ShardingPlan(mesh, tuple(entries), treedef, tuple(notes))
+    return ShardingPlan(mesh, tuple(entries), treedef, notes)
 
 
 IDLE_AXES_MIN_BYTES = 1 << 20

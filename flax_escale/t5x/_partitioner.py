@@ -23,6 +23,7 @@ from flax_escale.mesh import assert_same_mesh
 from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import ShardingPlan, use_sharding
+from flax_escale.sharding._plan import USE_IDLE_AXES
 from flax_escale.sharding._transfer import as_named_sharding, is_spec_leaf
 from flax_escale.t5x._data import DataPartitioning
 from flax_escale.t5x._mesh import default_mesh
@@ -116,7 +117,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
         logical_axis_rules: RulesLike | PartitionAxis = None,
         *,
         mesh: Mesh | None = None,
-        use_idle_axes: bool = True,
+        use_idle_axes: bool = USE_IDLE_AXES,
     ) -> None:
         if num_partitions is not None:
             num_partitions = check.positive_int(num_partitions, "num_partitions")
@@ -191,11 +192,11 @@ class Partitioner(DataPartitioning, StatePartitioning):
 
     def get_mesh_axes(self, train_state: Any, *, strict: bool = False) -> Any:
         tree = check.tree_of_arrays(train_state, "train_state")
-        return super().get_mesh_axes(tree, strict=strict)
+        return super().get_mesh_axes(tree, strict=check.flag(strict, "strict"))
 
     def plan_sharding(self, train_state: Any, *, strict: bool = False) -> ShardingPlan:
         tree = check.tree_of_arrays(train_state, "train_state")
-        return super().plan_sharding(tree, strict=strict)
+        return super().plan_sharding(tree, strict=check.flag(strict, "strict"))
 
     def move_params_to_devices(self, train_state: Any, train_state_axes: Any) -> Any:
         tree = check.tree_of_arrays(train_state, "train_state")

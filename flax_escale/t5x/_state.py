@@ -13,14 +13,16 @@ import jax
 from jax.sharding import Mesh
 
 from flax_escale.axes import AxisNames, LogicalRules
+from flax_escale.frontend._options import InitOptions
+from flax_escale.frontend._pipeline import plan_variables
 from flax_escale.sharding import (
     Annotation,
     ShardingPlan,
     annotated_leaves,
     arrays_only,
-    build_plan,
     make_shard_and_gather_fns,
 )
+from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["StatePartitioning"]
 
@@ -34,7 +36,7 @@ class StatePartitioning:
 
     mesh: Mesh
     logical_axis_rules: LogicalRules
-    use_idle_axes: bool = True
+    use_idle_axes: bool = USE_IDLE_AXES
 
     def get_logical_axes(self, train_state: Any) -> Any:
         """The logical axes of every leaf of a train state, as ``AxisNames`` (``None`` if none).
@@ -134,11 +136,7 @@ class StatePartitioning:
         self, treedef: Any, items: list[tuple[str, Any, Annotation | None]], *, strict: bool
     ) -> ShardingPlan:
         structure, arrays = arrays_only(treedef, items)
-        return build_plan(
-            structure,
-            arrays,
-            self.mesh,
-            rules=self.logical_axis_rules,
-            strict=strict,
-            use_idle_axes=self.use_idle_axes,
+        options = InitOptions(
+            self.logical_axis_rules, strict=strict, use_idle_axes=self.use_idle_axes
         )
+        return plan_variables(structure, arrays, self.mesh, options)

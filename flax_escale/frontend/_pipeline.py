@@ -1,0 +1,230 @@
+"""The one init pipeline both Flax APIs go through.
+
+trace the abstract variables -> read their annotations -> apply ``overrides=`` -> plan ->
+lower the initializer with ``out_shardings`` -> compile (kept) -> run -> finish.
+
+A Flax API implements only what differs, the :class:`FrontEnd` protocol: how a model is
+checked and traced, the function that initializes it, and how its result is finished. The
+public entry points check their arguments once, into a :class:`Request`; every stage below
+takes checked values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+from jax.sharding import Mesh
+
+from flax_escale.frontend._init_cache import run_cached
+from flax_escale.frontend._options import InitOptions
+from flax_escale.frontend._overrides import Overrides, apply_overrides
+from flax_escale.mesh import _validate as check
+from flax_escale.mesh._agreement import agree_on_mesh
+from flax_escale.mesh._context import with_auto_axes
+from flax_escale.resolve import RulesLike
+from flax_escale.sharding._annotation import Annotation
+from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._plan import USE_IDLE_AXES, ShardingPlan, plan_checked
+
+__all__ = [
+    "FrontEnd",
+    "ModelCall",
+    "Request",
+    "Traced",
+    "checked_call",
+    "init",
+    "lower",
+    "plan",
+    "plan_variables",
+    "request",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+    """A model and what it is built from.
+
+    Attributes:
+        model: Linen: the module instance; NNX: the module class or a callable taking
+            ``rngs=``.
+        rng: The randomness, as the front end takes it once checked (NNX: keys, not seeds).
+        args: Linen: example inputs of ``model.init``; NNX: constructor arguments.
+        kwargs: Linen: ``model.init``'s keywords; NNX: constructor keywords.
+    """
+
+    model: Any
+    rng: Any
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A model's variables traced without creating any (the first stage).
+
+    Attributes:
+        treedef: The structure of the variables as the initializer returns them.
+        items: ``(path, abstract array, annotation)`` per variable, in flattening order.
+        notes: What the tracing noticed that concerns no single variable (patterns that
+            matched nothing).
+        abstract: What the front end needs to finish (NNX: the abstract module).
+    """
+
+    treedef: Any
+    items: tuple[tuple[str, jax.ShapeDtypeStruct, Annotation | None], ...]
+    notes: tuple[str, ...] = ()
+    abstract: Any = None
+
+
+class FrontEnd(Protocol):
+    """What a Flax API implements for the pipeline: only what differs between Linen and NNX."""
+
+    name: str
+    """``"linen"`` or ``"nnx"``: part of the kept programs' key."""
+    trace_needs_mesh: bool
+    """Whether tracing depends on the mesh (Linen's constraints see it; NNX's do not)."""
+
+    def check(self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any) -> ModelCall:
+        """Checks the model (and ``method``) and returns the call, its rng made ready."""
+
+    def trace(self, call: ModelCall, mesh: Mesh, options: InitOptions) -> Traced:
+        """The abstract variables and their annotations (``mesh`` may be unused)."""
+
+    def initializer(
+        self, call: ModelCall, options: InitOptions
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+        """The function to jit, its dynamic arguments, and what else keys its program."""
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """A context the initializer is lowered in, besides the mesh and rules."""
+
+    def finish(self, variables: Any, plan: ShardingPlan, traced: Traced) -> Any:
+        """What the user receives, from the initializer's sharded output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One checked call of an entry point: the front end, the call, the mesh and the options."""
+
+    front_end: FrontEnd
+    call: ModelCall
+    mesh: Mesh
+    options: InitOptions
+
+
+def request(
+    front_end: FrontEnd,
+    model: Any,
+    mesh: Any,
+    rng: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    rules: RulesLike = None,
+    strict: bool = False,
+    overrides: Overrides | None = None,
+    use_idle_axes: bool = USE_IDLE_AXES,
+    method: Any = None,
+) -> Request:
+    """Checks an entry point's arguments once: everything after takes the result as it is."""
+    mesh = check.mesh(mesh)
+    options = InitOptions.create(
+        rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes, method=method
+    )
+    return Request(
+        front_end, checked_call(front_end, model, rng, args, kwargs, method), mesh, options
+    )
+
+
+def checked_call(
+    front_end: FrontEnd,
+    model: Any,
+    rng: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    method: Any = None,
+) -> ModelCall:
+    """Checks the model and its arguments once, for any number of meshes."""
+    check.rng(rng)
+    return front_end.check(model, rng, args, kwargs, method)
+
+
+def plan(request: Request, traced: Traced | None = None) -> tuple[Traced, ShardingPlan]:
+    """Traces (unless ``traced`` is given), applies the overrides and plans every variable."""
+    front_end, options = request.front_end, request.options
+    if traced is None:
+        traced = front_end.trace(request.call, request.mesh, options)
+    return traced, plan_variables(traced.treedef, traced.items, request.mesh, options, traced.notes)
+
+
+def plan_variables(
+    treedef: Any,
+    items: Sequence[tuple[str, Any, Annotation | None]],
+    mesh: Mesh,
+    options: InitOptions,
+    notes: tuple[str, ...] = (),
+) -> ShardingPlan:
+    """Applies the overrides to annotated variables and plans them: the planning stage.
+
+    For callers that read the variables themselves (a train state given to the t5x
+    ``Partitioner``); the entry points come through :func:`plan`.
+    """
+    items, unused = apply_overrides(items, options.overrides)
+    return plan_checked(
+        treedef,
+        items,
+        mesh,
+        options.rules,
+        strict=options.strict,
+        notes=(*notes, *unused),
+        use_idle_axes=options.use_idle_axes,
+    )
+
+
+def lower(
+    request: Request, traced: Traced | None = None
+) -> tuple[Traced, ShardingPlan, jax.stages.Lowered]:
+    """Plans, then lowers the initializer with the plan's ``out_shardings``."""
+    agree_on_mesh(request.mesh)
+    traced, made = plan(request, traced)
+    function, arguments, _ = request.front_end.initializer(request.call, request.options)
+    jitted = jax.jit(function, out_shardings=made.shardings())
+    with _lowering(request):
+        return traced, made, jitted.lower(*arguments)
+
+
+def init(request: Request) -> Any:
+    """Creates the variables in their shardings; the compiled initializer is kept.
+
+    The same model (by ``==``) on the same mesh, with the same options, static arguments and
+    dynamic arguments of the same shapes, dtypes and shardings, runs the kept program.
+    """
+    front_end, call = request.front_end, request.call
+    _, arguments, static = front_end.initializer(call, request.options)
+    key = (front_end.name, request.mesh, request.options, static)
+
+    def build() -> tuple[Traced, ShardingPlan, jax.stages.Compiled]:
+        traced, made, lowered = lower(request)
+        return traced, made, lowered.compile()
+
+    def run(built: tuple[Traced, ShardingPlan, jax.stages.Compiled]) -> Any:
+        traced, made, compiled = built
+        return traced, made, compiled(*arguments)
+
+    traced, made, variables = run_cached(call.model, key, arguments, build, run)
+    return front_end.finish(variables, made, traced)
+
+
+@contextlib.contextmanager
+def _lowering(request: Request) -> Iterator[None]:
+    # Under the mesh's Auto twin: values bit-equal to the same initializer jitted on one
+    # device (on Explicit axes JAX would shard every intermediate and change XLA's fusions).
+    with (
+        sharding_context(with_auto_axes(request.mesh), request.options.rules),
+        request.front_end.tracing(),
+    ):
+        yield
