@@ -234,8 +234,8 @@ def front_end(model: Any) -> pipeline.FrontEnd:
         return linen_init.FRONT_END
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise EscaleTypeError(
-            f"model must be a Linen module instance, got the class {model.__name__}; pass "
-            f"{model.__name__}(...) with its attributes."
+            f"model must be a flax.linen.Module instance, got the class {model.__name__}; "
+            f"pass {model.__name__}(...) with its attributes."
         )
     if callable(model) and not isinstance(model, nnx.Module):
         return nnx_init.FRONT_END

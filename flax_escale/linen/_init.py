@@ -66,16 +66,7 @@ def plan_sharding(
     """
     return pipeline.plan(
         _request(
-            model,
-            mesh,
-            rng,
-            inputs,
-            init_kwargs,
-            rules=rules,
-            strict=strict,
-            overrides=overrides,
-            use_idle_axes=use_idle_axes,
-            method=method,
+            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
         )
     )[1]
 
@@ -115,16 +106,7 @@ def init_sharded(
     """
     return pipeline.init(
         _request(
-            model,
-            mesh,
-            rng,
-            inputs,
-            init_kwargs,
-            rules=rules,
-            strict=strict,
-            overrides=overrides,
-            use_idle_axes=use_idle_axes,
-            method=method,
+            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
         )
     )
 
@@ -147,16 +129,7 @@ def lower_init(
     """
     return pipeline.lower(
         _request(
-            model,
-            mesh,
-            rng,
-            inputs,
-            init_kwargs,
-            rules=rules,
-            strict=strict,
-            overrides=overrides,
-            use_idle_axes=use_idle_axes,
-            method=method,
+            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
         )
     )[2]
 
@@ -224,16 +197,7 @@ def init_train_state(
     tx = check.transformation(tx, "tx")
     shard_over = check.names(shard_over, "shard_over")
     request = _request(
-        model,
-        mesh,
-        rng,
-        inputs,
-        init_kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-        method=method,
+        model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
     )
     variables = pipeline.init(request)
     others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
@@ -304,9 +268,25 @@ def _request(
     rng: Any,
     inputs: tuple[Any, ...],
     init_kwargs: dict[str, Any],
-    **options: Any,
+    rules: RulesLike,
+    strict: bool,
+    overrides: Overrides | None,
+    use_idle_axes: bool,
+    method: Any,
 ) -> pipeline.Request:
-    return pipeline.request(FRONT_END, model, mesh, rng, inputs, init_kwargs, **options)
+    return pipeline.request(
+        FRONT_END,
+        model,
+        mesh,
+        rng,
+        inputs,
+        init_kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+        method=method,
+    )
 
 
 def _check_model(model: Any) -> None:

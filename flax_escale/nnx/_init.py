@@ -55,17 +55,7 @@ def plan_sharding(
         use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
         **kwargs: Constructor keyword arguments.
     """
-    request = _request(
-        model,
-        mesh,
-        rng,
-        args,
-        kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-    )
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
     return pipeline.plan(request)[1]
 
 
@@ -106,17 +96,7 @@ def init_sharded(
         >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
         P(('fsdp', 'sp'), 'tp')
     """
-    request = _request(
-        model,
-        mesh,
-        rng,
-        args,
-        kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-    )
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
     return pipeline.init(request)
 
 
@@ -135,17 +115,7 @@ def lower_init(
 
     Arguments are :func:`plan_sharding`'s.
     """
-    request = _request(
-        model,
-        mesh,
-        rng,
-        args,
-        kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-    )
+    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
     return pipeline.lower(request)[2]
 
 
@@ -335,9 +305,28 @@ def abstract_module(model: Any, rng: Any, args: tuple = (), kwargs: Any = None) 
 
 
 def _request(
-    model: Any, mesh: Any, rng: Any, args: tuple, kwargs: dict, **options: Any
+    model: Any,
+    mesh: Any,
+    rng: Any,
+    args: tuple,
+    kwargs: dict,
+    rules: RulesLike,
+    strict: bool,
+    overrides: Overrides | None,
+    use_idle_axes: bool,
 ) -> pipeline.Request:
-    return pipeline.request(FRONT_END, model, mesh, rng, args, kwargs, **options)
+    return pipeline.request(
+        FRONT_END,
+        model,
+        mesh,
+        rng,
+        args,
+        kwargs,
+        rules=rules,
+        strict=strict,
+        overrides=overrides,
+        use_idle_axes=use_idle_axes,
+    )
 
 
 def _constructor(call: pipeline.ModelCall) -> Callable[[Any], nnx.Module]:
