@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from flax_escale.axes import AxisNames, LogicalRules
+from flax_escale.axes import LogicalRules
 from flax_escale.sharding import (
     Annotation,
     ShardingPlan,
@@ -21,6 +21,7 @@ from flax_escale.sharding import (
     build_plan,
     make_shard_and_gather_fns,
 )
+from flax_escale.t5x._axes import AxisNames
 
 __all__ = ["StatePartitioning"]
 
