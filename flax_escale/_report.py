@@ -15,16 +15,11 @@ from rich.table import Table
 
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.resolve import RulesLike
 from flax_escale.resolve._fit import Correction, mesh_axes_of
-from flax_escale.sharding import (
-    ShardingAnalysis,
-    analyze_sharding_strategy,
-    annotated_leaves,
-    arrays_only,
-    auto_partition_spec,
-)
+from flax_escale.sharding import annotated_leaves, arrays_only, spec_from_shape
+from flax_escale.sharding._measure import LayoutFigures, measure_layout
 from flax_escale.sharding._plan import ShardingPlan, build_plan, format_bytes
 
 __all__ = [
@@ -42,10 +37,20 @@ class UnshardedParameterError(EscaleError):
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardingReport(ShardingAnalysis):
-    """A layout's figures (those of :class:`~flax_escale.sharding.ShardingAnalysis`), with the plan.
+class ShardingReport(LayoutFigures):
+    """A layout's figures, with the plan they come from.
 
     Attributes:
+        total_parameters: Elements of all arrays.
+        sharded_parameters: Elements of arrays split over at least one mesh axis.
+        total_bytes: Bytes of all arrays.
+        bytes_per_device: Bytes each device holds, by device id (exact: a dimension its axes
+            do not divide counts as the padded blocks XLA gives each device).
+        max_device_bytes: The fullest device's bytes.
+        min_device_bytes: The emptiest device's bytes.
+        balance_score: ``min / max`` device bytes (1.0 is perfect balance).
+        ideal_device_bytes: ``total_bytes / devices``.
+        partition_stats: For each spec (as text): arrays, elements and bytes using it.
         plan: The plan the report shows (every array, its annotation, spec and corrections).
     """
 
@@ -156,9 +161,7 @@ def sharding_report(
         )
     plan = _as_plan(tree, mesh, rules)
     abstract = plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan])
-    analysis = analyze_sharding_strategy(abstract, plan.specs(), plan.mesh)
-    figures = {f.name: getattr(analysis, f.name) for f in dataclasses.fields(analysis)}
-    report = ShardingReport(**figures, plan=plan)
+    report = measure_layout(abstract, plan.specs(), plan.mesh, into=ShardingReport, plan=plan)
     if show:
         (console or Console()).print(report.table())
     return report
@@ -179,7 +182,7 @@ def _as_plan(tree: Any, mesh: Mesh | None, rules: RulesLike) -> ShardingPlan:
         mesh = meshes[0] if meshes else None
     if mesh is None:
         try:
-            mesh = get_incontext_mesh()
+            mesh = current_mesh()
         except NoMeshError:
             raise NoMeshError(
                 "sharding_report: no mesh given, none on the arrays and none set; pass mesh=."
@@ -204,7 +207,7 @@ def check_sharded(
 
     An array of at least ``min_bytes`` passes when its bytes per device are within
     ``tolerance`` of what the best split of its shape over the mesh's non-trivial axes would
-    give (:func:`~flax_escale.sharding.auto_partition_spec` finds that split).
+    give (:func:`~flax_escale.sharding.spec_from_shape` finds that split).
 
     Args:
         tree: As for :func:`sharding_report`.
@@ -243,7 +246,7 @@ def check_sharded(
     for entry in plan:
         if entry.nbytes < min_bytes:
             continue
-        best = auto_partition_spec(entry.shape, plan.mesh, min_shard_size=1)
+        best = spec_from_shape(entry.shape, plan.mesh, min_shard_size=1)
         best_split = math.prod(sizes[a] for e in best for a in mesh_axes_of(e))
         actual = entry.nbytes_per_device(plan.mesh)
         if actual > entry.nbytes / best_split * (1 + tolerance):

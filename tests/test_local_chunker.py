@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from flax_escale import create_mesh
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh._chunks import LocalChunker, LocalChunkInfo, process_blocks
 from flax_escale.t5x import get_gpu_mesh
+from flax_escale.t5x._chunks import LocalChunker, LocalChunkInfo, process_blocks
 
 
 def fake_mesh(owners, names) -> Mesh:

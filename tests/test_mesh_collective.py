@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from flax_escale import MeshError, create_mesh
-from flax_escale.mesh import get_mesh_axis_size, get_submesh_device_index
+from flax_escale.eformer import get_mesh_axis_size, get_submesh_device_index
 
 
 @pytest.fixture

@@ -7,13 +7,9 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from flax_escale import MeshError, NoMeshError, create_mesh
+from flax_escale.eformer import get_axes_size_in_mesh, get_mesh_axis_names, names_in_current_mesh
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh import (
-    get_axes_size_in_mesh,
-    get_incontext_mesh,
-    get_mesh_axis_names,
-    names_in_current_mesh,
-)
+from flax_escale.mesh import current_mesh
 
 
 @pytest.fixture
@@ -23,12 +19,12 @@ def mesh():
 
 def test_no_mesh_is_a_clear_error():
     with pytest.raises(NoMeshError, match=r"No mesh is set.*jax.set_mesh\(mesh\).*mesh=\.\.\."):
-        get_incontext_mesh()
+        current_mesh()
 
 
 def test_set_mesh_is_seen_outside_jit(mesh):
     with jax.set_mesh(mesh):
-        assert get_incontext_mesh() is mesh
+        assert current_mesh() is mesh
 
 
 def test_set_mesh_is_seen_inside_jit_as_the_abstract_mesh(mesh):
@@ -36,7 +32,7 @@ def test_set_mesh_is_seen_inside_jit_as_the_abstract_mesh(mesh):
 
     @jax.jit
     def f(x):
-        seen.append(get_incontext_mesh())
+        seen.append(current_mesh())
         return x
 
     with jax.set_mesh(mesh):
@@ -49,7 +45,7 @@ def test_legacy_mesh_context_is_seen(mesh):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with mesh:
-            assert get_incontext_mesh() is mesh
+            assert current_mesh() is mesh
             assert names_in_current_mesh("dp", "tp")
 
 
@@ -145,12 +141,11 @@ def test_mesh_axes_of_refuses_anything_else_naming_the_argument(entry, got):
 
 
 def test_every_module_reads_entries_with_the_one_function():
+    from flax_escale.eformer import _mesh as eformer_mesh
     from flax_escale.mesh import _axes as axes
-    from flax_escale.mesh import _chunks as chunks
-    from flax_escale.mesh import _context as context
     from flax_escale.resolve import _fit as fit
+    from flax_escale.t5x import _chunks as chunks
 
     assert fit.mesh_axes_of is axes.mesh_axes_of
     assert chunks.mesh_axes_of is axes.mesh_axes_of
-    assert context.mesh_axes_of is axes.mesh_axes_of
-    assert context.as_axis_name_tuple("tp") == ("tp",)
+    assert eformer_mesh.mesh_axes_of is axes.mesh_axes_of

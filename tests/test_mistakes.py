@@ -1184,7 +1184,7 @@ CASES = [
         id="assert_same_mesh-timeout-string",
     ),
     case(
-        lambda: fem.get_axes_size_in_mesh("dp", "dp:8"),
+        lambda: fe.eformer.get_axes_size_in_mesh("dp", "dp:8"),
         T,
         "mesh",
         "'dp:8'",
@@ -1192,7 +1192,7 @@ CASES = [
         id="get_axes_size_in_mesh-mesh-string",
     ),
     case(
-        lambda: fem.get_axes_size_in_mesh("model", _mesh()),
+        lambda: fe.eformer.get_axes_size_in_mesh("model", _mesh()),
         fe.MeshError,
         "axis_names",
         "'model'",
@@ -1200,7 +1200,7 @@ CASES = [
         id="get_axes_size_in_mesh-unknown-axis",
     ),
     case(
-        lambda: fem.get_mesh_axis_names("dp:8"),
+        lambda: fe.eformer.get_mesh_axis_names("dp:8"),
         T,
         "mesh",
         "'dp:8'",
@@ -1208,7 +1208,7 @@ CASES = [
         id="get_mesh_axis_names-string",
     ),
     case(
-        lambda: fem.names_in_current_mesh(("dp", "tp")),
+        lambda: fe.eformer.names_in_current_mesh(("dp", "tp")),
         T,
         "names",
         "('dp', 'tp')",
@@ -1216,7 +1216,7 @@ CASES = [
         id="names_in_current_mesh-tuple",
     ),
     case(
-        lambda: fem.get_mesh_axis_size(3),
+        lambda: fe.eformer.get_mesh_axis_size(3),
         T,
         "axis_names",
         "int 3",
@@ -1225,7 +1225,7 @@ CASES = [
     ),
     # --- the chunker and t5x's mesh builders and data layout ------------------------------
     case(
-        lambda: fem.LocalChunker("dp:8"),
+        lambda: t5x.LocalChunker("dp:8"),
         T,
         "global_mesh",
         "'dp:8'",
@@ -1233,7 +1233,7 @@ CASES = [
         id="LocalChunker-mesh-string",
     ),
     case(
-        lambda: fem.LocalChunker(_mesh(), process_index="0"),
+        lambda: t5x.LocalChunker(_mesh(), process_index="0"),
         T,
         "process_index",
         "'0'",
@@ -1241,7 +1241,7 @@ CASES = [
         id="LocalChunker-process-string",
     ),
     case(
-        lambda: fem.LocalChunker(_mesh()).get_local_chunk_info(8, ("dp",)),
+        lambda: t5x.LocalChunker(_mesh()).get_local_chunk_info(8, ("dp",)),
         T,
         "global_shape",
         "int 8",
@@ -1249,7 +1249,7 @@ CASES = [
         id="get_local_chunk_info-shape-int",
     ),
     case(
-        lambda: fem.LocalChunker(_mesh()).get_local_chunk_info((8, 4), "dp"),
+        lambda: t5x.LocalChunker(_mesh()).get_local_chunk_info((8, 4), "dp"),
         T,
         "mesh_axes",
         "'dp'",
@@ -1257,7 +1257,7 @@ CASES = [
         id="get_local_chunk_info-axes-string",
     ),
     case(
-        lambda: fem.LocalChunker(_mesh()).get_local_chunk_info((8, 4), ("model",)),
+        lambda: t5x.LocalChunker(_mesh()).get_local_chunk_info((8, 4), ("model",)),
         fe.MeshError,
         "mesh_axes",
         "'model'",
@@ -1538,7 +1538,7 @@ CASES = [
     ),
     # --- regex partition rules and pattern strings -----------------------------------------
     case(
-        lambda: fes.create_pattern_based_partition_spec(None),
+        lambda: fe.eformer.create_pattern_based_partition_spec(None),
         T,
         "pattern",
         "None",
@@ -1554,7 +1554,7 @@ CASES = [
         id="create_pattern-list",
     ),
     case(
-        lambda: fes.create_pattern_based_partition_spec("kernel->fsdp.fsdp"),
+        lambda: fe.eformer.create_pattern_based_partition_spec("kernel->fsdp.fsdp"),
         fes.PartitionRuleError,
         "pattern",
         "P('fsdp', 'fsdp')",
@@ -1562,7 +1562,7 @@ CASES = [
         id="create_pattern-axis-twice",
     ),
     case(
-        lambda: fes.create_pattern_based_partition_spec("kernel", mesh=_mesh()),
+        lambda: fe.eformer.create_pattern_based_partition_spec("kernel", mesh=_mesh()),
         fes.PartitionRuleError,
         "pattern",
         "'kernel'",
@@ -1570,7 +1570,7 @@ CASES = [
         id="create_pattern-no-arrow",
     ),
     case(
-        lambda: fes.create_pattern_based_partition_spec("kernel->fsdp", mesh=_mesh()),
+        lambda: fe.eformer.create_pattern_based_partition_spec("kernel->fsdp", mesh=_mesh()),
         fes.PartitionRuleError,
         "pattern",
         "'fsdp'",
@@ -1578,7 +1578,7 @@ CASES = [
         id="create_pattern-axis-not-in-mesh",
     ),
     case(
-        lambda: fes.create_pattern_based_partition_spec("kernel->tp", mesh="dp:8"),
+        lambda: fe.eformer.create_pattern_based_partition_spec("kernel->tp", mesh="dp:8"),
         T,
         "mesh",
         "'dp:8'",
@@ -1586,7 +1586,7 @@ CASES = [
         id="create_pattern-mesh-string",
     ),
     case(
-        lambda: fes.create_pattern_based_partition_spec("kernel->tp", default_spec="dp"),
+        lambda: fe.eformer.create_pattern_based_partition_spec("kernel->tp", default_spec="dp"),
         fes.PartitionRuleError,
         "default_spec",
         "'dp'",
@@ -1594,7 +1594,7 @@ CASES = [
         id="create_pattern-default-string",
     ),
     case(
-        lambda: fes.match_partition_rules("kernel", _params()),
+        lambda: fes.specs_from_regex("kernel", _params()),
         T,
         "rules",
         "'kernel'",
@@ -1602,7 +1602,7 @@ CASES = [
         id="match_rules-bare-string",
     ),
     case(
-        lambda: fes.match_partition_rules(("w", P("tp")), _params()),
+        lambda: fes.specs_from_regex(("w", P("tp")), _params()),
         T,
         "rules",
         "('w', P('tp',))",
@@ -1610,7 +1610,7 @@ CASES = [
         id="match_rules-bare-pair",
     ),
     case(
-        lambda: fes.match_partition_rules([("w",)], _params()),
+        lambda: fes.specs_from_regex([("w",)], _params()),
         T,
         "rules",
         "('w',)",
@@ -1618,7 +1618,7 @@ CASES = [
         id="match_rules-one-element",
     ),
     case(
-        lambda: fes.match_partition_rules([(3, P())], _params()),
+        lambda: fes.specs_from_regex([(3, P())], _params()),
         T,
         "rules",
         "int 3",
@@ -1626,7 +1626,7 @@ CASES = [
         id="match_rules-regex-int",
     ),
     case(
-        lambda: fes.match_partition_rules({"w": P("tp")}, _params()),
+        lambda: fes.specs_from_regex({"w": P("tp")}, _params()),
         T,
         "rules",
         "{'w': P('tp',)}",
@@ -1634,7 +1634,7 @@ CASES = [
         id="match_rules-dict",
     ),
     case(
-        lambda: fes.match_partition_rules([("w", "tp")], _params()),
+        lambda: fes.specs_from_regex([("w", "tp")], _params()),
         fes.PartitionRuleError,
         "rules",
         "'tp'",
@@ -1642,7 +1642,7 @@ CASES = [
         id="match_rules-spec-string",
     ),
     case(
-        lambda: fes.match_partition_rules([("w", P("tp", "tp"))], _params()),
+        lambda: fes.specs_from_regex([("w", P("tp", "tp"))], _params()),
         fes.PartitionRuleError,
         "rules",
         "P('tp', 'tp')",
@@ -1650,7 +1650,7 @@ CASES = [
         id="match_rules-axis-twice",
     ),
     case(
-        lambda: fes.match_partition_rules([("w[", P())], _params()),
+        lambda: fes.specs_from_regex([("w[", P())], _params()),
         fes.PartitionRuleError,
         "rules",
         "'w['",
@@ -1658,7 +1658,7 @@ CASES = [
         id="match_rules-bad-regex",
     ),
     case(
-        lambda: fes.match_partition_rules([("w", P())], "params"),
+        lambda: fes.specs_from_regex([("w", P())], "params"),
         T,
         "tree",
         "'params'",
@@ -1666,7 +1666,7 @@ CASES = [
         id="match_rules-tree-string",
     ),
     case(
-        lambda: fes.match_partition_rules([("w", P())], None),
+        lambda: fes.specs_from_regex([("w", P())], None),
         T,
         "tree",
         "None",
@@ -1739,7 +1739,7 @@ CASES = [
         id="eformer-MeshPartitionHelper-paxis-string",
     ),
     case(
-        lambda: fes.MeshPartitionHelper(_mesh5(), fe.PartitionAxis),
+        lambda: fe.eformer.MeshPartitionHelper(_mesh5(), fe.PartitionAxis),
         T,
         "paxis",
         "class PartitionAxis",
@@ -1867,7 +1867,7 @@ CASES = [
         id="eformer-PartitionManager-shard-string",
     ),
     case(
-        lambda: fes.MeshPartitionHelper(_mesh5()).suggest_methods(1024),
+        lambda: fe.eformer.MeshPartitionHelper(_mesh5()).suggest_methods(1024),
         T,
         "array_shape",
         "int 1024",
@@ -2076,31 +2076,31 @@ CASES = [
         id="apply_spec-mesh-string",
     ),
     case(
-        lambda: fes.auto_partition_spec(8, _mesh()),
+        lambda: fes.spec_from_shape(8, _mesh()),
         T,
         "shape",
         "int 8",
         r"pass \(8,\)",
-        id="auto_partition_spec-shape-int",
+        id="spec_from_shape-shape-int",
     ),
     case(
-        lambda: fes.auto_partition_spec((8, 4), None),
+        lambda: fes.spec_from_shape((8, 4), None),
         T,
         "mesh",
         "None",
         r"create_mesh\(",
-        id="auto_partition_spec-mesh-none",
+        id="spec_from_shape-mesh-none",
     ),
     case(
-        lambda: fes.auto_partition_spec((8, 4), _mesh(), min_shard_size="1"),
+        lambda: fes.spec_from_shape((8, 4), _mesh(), min_shard_size="1"),
         T,
         "min_shard_size",
         "'1'",
         "pass the int 1",
-        id="auto_partition_spec-min-string",
+        id="spec_from_shape-min-string",
     ),
     case(
-        lambda: fes.extract_shardings("params"),
+        lambda: fe.eformer.extract_shardings("params"),
         T,
         "tree",
         "'params'",
@@ -2108,7 +2108,7 @@ CASES = [
         id="extract_shardings-string",
     ),
     case(
-        lambda: fes.extract_shardings(_params(), "dp:8"),
+        lambda: fe.eformer.extract_shardings(_params(), "dp:8"),
         T,
         "mesh",
         "'dp:8'",

@@ -26,7 +26,7 @@ def test_first_matching_rule_wins_and_special_cases():
         "name": "not an array",
         "layers": [np.zeros((4, 4)), np.zeros((4, 4, 4))],
     }
-    specs = fe.sharding.match_partition_rules(RULES, tree)
+    specs = fe.sharding.specs_from_regex(RULES, tree)
     assert specs["embed"]["embedding"] == P("tp", "fsdp")
     assert specs["wi"]["kernel"] == P("fsdp", "tp")
     assert specs["wi"]["bias"] == P("tp")  # the None past the rank is cut
@@ -38,13 +38,13 @@ def test_first_matching_rule_wins_and_special_cases():
 
 def test_rules_see_slash_joined_paths_with_indices():
     tree = {"blocks": [{"w": np.zeros((4, 4))}, {"w": np.zeros((4, 4))}]}
-    specs = fe.sharding.match_partition_rules([("blocks/1/w", P("tp")), ("w$", P("fsdp"))], tree)
+    specs = fe.sharding.specs_from_regex([("blocks/1/w", P("tp")), ("w$", P("fsdp"))], tree)
     assert specs == {"blocks": [{"w": P("fsdp")}, {"w": P("tp")}]}
 
 
 def test_min_size_leaves_small_arrays_unsharded():
     tree = {"big": np.zeros((32, 32)), "small": np.zeros((4, 4))}
-    specs = fe.sharding.match_partition_rules([(".*", P("fsdp"))], tree, min_size=100)
+    specs = fe.sharding.specs_from_regex([(".*", P("fsdp"))], tree, min_size=100)
     assert specs == {"big": P("fsdp"), "small": P()}
 
 
@@ -53,19 +53,19 @@ def test_min_size_none_is_the_default_minimum():
 
     tree = {"big": np.zeros((128, 128)), "small": np.zeros((127, 128))}
     assert DEFAULT_MIN_SIZE == 128 * 128
-    specs = fe.sharding.match_partition_rules([(".*", P("fsdp"))], tree, min_size=None)
+    specs = fe.sharding.specs_from_regex([(".*", P("fsdp"))], tree, min_size=None)
     assert specs == {"big": P("fsdp"), "small": P()}
     with pytest.raises(fe.EscaleTypeError, match=r"min_size must be a number .*got str '1'"):
-        fe.sharding.match_partition_rules([(".*", P("fsdp"))], tree, min_size="1")
+        fe.sharding.specs_from_regex([(".*", P("fsdp"))], tree, min_size="1")
 
 
 def test_unmatched_array_raises_naming_the_path_or_warns_when_not_strict():
     tree = {"wi": {"kernel": np.zeros((8, 4))}, "norm": {"scale": np.zeros(8)}}
     rules = [("kernel$", P("fsdp"))]
     with pytest.raises(fe.sharding.PartitionRuleError, match=r"'norm/scale' \(8,\)"):
-        fe.sharding.match_partition_rules(rules, tree)
+        fe.sharding.specs_from_regex(rules, tree)
     with pytest.warns(fe.ShardingCorrectionWarning, match="norm/scale"):
-        specs = fe.sharding.match_partition_rules(rules, tree, strict=False)
+        specs = fe.sharding.specs_from_regex(rules, tree, strict=False)
     assert specs["norm"]["scale"] == P()
     assert isinstance(fe.sharding.PartitionRuleError("x"), ValueError)
 
@@ -81,7 +81,7 @@ def test_a_spec_that_drops_mesh_axes_past_the_rank_warns():
     # One rule may serve kernels and their biases (eformer's semantics): a warning, not an error.
     for strict in (True, False):
         with pytest.warns(fe.ShardingCorrectionWarning, match=message):
-            specs = fe.sharding.match_partition_rules(rules, tree, strict=strict)
+            specs = fe.sharding.specs_from_regex(rules, tree, strict=strict)
         assert specs == {"wi": {"kernel": P("fsdp", "tp"), "bias": P("tp")}}
 
 
@@ -92,19 +92,19 @@ def test_a_spec_naming_one_axis_twice_is_refused_where_it_enters():
         match=r"rules: the rule for 'w' gives P\('tp', 'tp'\), which cannot apply: in dimension "
         r"1, mesh axis 'tp' already shards another dimension",
     ):
-        fe.sharding.match_partition_rules([("w", P("tp", "tp"))], tree, strict=False)
+        fe.sharding.specs_from_regex([("w", P("tp", "tp"))], tree, strict=False)
 
 
 def test_a_spec_entry_of_the_wrong_type_is_refused():
     with pytest.raises(fe.EscaleTypeError, match=r"entry 0 of spec P\(3,?\) must be None"):
-        fe.sharding.match_partition_rules([("w", P(3))], {"w": np.zeros(4)})
+        fe.sharding.specs_from_regex([("w", P(3))], {"w": np.zeros(4)})
 
 
 def test_bad_rules_raise():
     with pytest.raises(fe.sharding.PartitionRuleError, match="not a valid regex"):
-        fe.sharding.match_partition_rules([("kernel(", P())], {"a": np.zeros(4)})
+        fe.sharding.specs_from_regex([("kernel(", P())], {"a": np.zeros(4)})
     with pytest.raises(fe.sharding.PartitionRuleError, match="not a PartitionSpec"):
-        fe.sharding.match_partition_rules([("a", "fsdp")], {"a": np.zeros(4)})
+        fe.sharding.specs_from_regex([("a", "fsdp")], {"a": np.zeros(4)})
 
 
 def test_flax_boxes_nnx_state_and_shape_structs_match_like_plain_arrays():
@@ -114,7 +114,7 @@ def test_flax_boxes_nnx_state_and_shape_structs_match_like_plain_arrays():
             "b": nn.Partitioned(jnp.zeros(4), ("tp",)),
         }
     }
-    specs = fe.sharding.match_partition_rules([("kernel$", P("fsdp", "tp")), (".*", P())], boxed)
+    specs = fe.sharding.specs_from_regex([("kernel$", P("fsdp", "tp")), (".*", P())], boxed)
     assert specs == {"params": {"wi": {"kernel": P("fsdp", "tp")}, "b": P()}}
 
     class Module(nnx.Module):
@@ -122,14 +122,12 @@ def test_flax_boxes_nnx_state_and_shape_structs_match_like_plain_arrays():
             self.wi = nnx.Linear(8, 4, rngs=rngs)
 
     state = nnx.state(Module(nnx.Rngs(0)))
-    nnx_specs = fe.sharding.match_partition_rules(
-        [("kernel$", P("fsdp", "tp")), (".*", P())], state
-    )
+    nnx_specs = fe.sharding.specs_from_regex([("kernel$", P("fsdp", "tp")), (".*", P())], state)
     assert nnx_specs["wi"]["kernel"] == P("fsdp", "tp")
     assert nnx_specs["wi"]["bias"] == P()
 
     abstract = {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-    assert fe.sharding.match_partition_rules(RULES, abstract) == {"kernel": P("fsdp", "tp")}
+    assert fe.sharding.specs_from_regex(RULES, abstract) == {"kernel": P("fsdp", "tp")}
 
 
 def test_specs_drive_a_sharded_init():
@@ -137,7 +135,7 @@ def test_specs_drive_a_sharded_init():
     model = nn.Dense(16)
     x = jnp.ones((2, 8))
     abstract = jax.eval_shape(model.init, jax.random.key(0), x)
-    specs = fe.sharding.match_partition_rules(RULES, abstract)
+    specs = fe.sharding.specs_from_regex(RULES, abstract)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
     assert variables["params"]["kernel"].sharding.spec == P("fsdp", "tp")
@@ -145,7 +143,7 @@ def test_specs_drive_a_sharded_init():
 
 
 def test_pattern_strings():
-    spec_of = fe.sharding.create_pattern_based_partition_spec(
+    spec_of = fe.eformer.create_pattern_based_partition_spec(
         "attention|mlp->fsdp.tp, embed->tp.None"
     )
     assert spec_of("layers/0/attention/q", np.zeros((4, 4))) == P("fsdp", "tp")
@@ -155,46 +153,46 @@ def test_pattern_strings():
     assert spec_of("mlp/scalar", np.float32(1.0)) == P()
     assert spec_of("mlp/no_shape", 3) == P("fsdp", "tp")
     assert spec_of("norm", np.zeros(4)) == P()
-    with_default = fe.sharding.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp"))
+    with_default = fe.eformer.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp"))
     assert with_default("other", np.zeros(4)) == P("fsdp")
 
 
 def test_pattern_spec_that_drops_mesh_axes_past_the_rank_warns_or_raises():
-    spec_of = fe.sharding.create_pattern_based_partition_spec("mlp->fsdp.tp")
+    spec_of = fe.eformer.create_pattern_based_partition_spec("mlp->fsdp.tp")
     message = r"(?s)parameter 'mlp/bias': .*dimension 1: the spec has 2 entries .*dropped \('tp',\)"
     with pytest.warns(fe.ShardingCorrectionWarning, match=message):
         assert spec_of("mlp/bias", np.zeros(4)) == P("fsdp")
-    strict = fe.sharding.create_pattern_based_partition_spec("mlp->fsdp.tp", strict=True)
+    strict = fe.eformer.create_pattern_based_partition_spec("mlp->fsdp.tp", strict=True)
     with pytest.raises(fe.ShardingResolutionError, match=message):
         strict("mlp/bias", np.zeros(4))
     assert strict("mlp/kernel", np.zeros((4, 4))) == P("fsdp", "tp")
-    default = fe.sharding.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp", "tp"))
+    default = fe.eformer.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp", "tp"))
     with pytest.warns(fe.ShardingCorrectionWarning, match=r"(?s)'other'.*dropped \('tp',\)"):
         assert default("other", np.zeros(4)) == P("fsdp")
 
 
 def test_pattern_string_errors():
     with pytest.raises(fe.sharding.PartitionRuleError, match=r"rule 'attention' must be"):
-        fe.sharding.create_pattern_based_partition_spec("attention")
+        fe.eformer.create_pattern_based_partition_spec("attention")
     with pytest.raises(fe.sharding.PartitionRuleError, match="empty regex"):
-        fe.sharding.create_pattern_based_partition_spec("a||b->tp")
+        fe.eformer.create_pattern_based_partition_spec("a||b->tp")
     with pytest.raises(
         fe.sharding.PartitionRuleError,
         match=r"rule 'mlp->fsdp\.fsdp' gives P\('fsdp', 'fsdp'\), which cannot apply: in "
         r"dimension 1, mesh axis 'fsdp' already shards another dimension\. Name each mesh axis",
     ):
-        fe.sharding.create_pattern_based_partition_spec("attention->tp,mlp->fsdp.fsdp")
+        fe.eformer.create_pattern_based_partition_spec("attention->tp,mlp->fsdp.fsdp")
     with pytest.raises(fe.sharding.PartitionRuleError, match=r"default_spec gives P\('tp', 'tp'\)"):
-        fe.sharding.create_pattern_based_partition_spec("a->tp", default_spec=P("tp", "tp"))
+        fe.eformer.create_pattern_based_partition_spec("a->tp", default_spec=P("tp", "tp"))
     mesh = fe.create_mesh((2, 4), ("dp", "tp"))
     with pytest.raises(
         fe.sharding.PartitionRuleError,
         match=r"rule 'a->fsdp' .*mesh axis 'fsdp' is not in the mesh\. Use the axes of the mesh "
         r"\{'dp': 2, 'tp': 4\}",
     ):
-        fe.sharding.create_pattern_based_partition_spec("a->fsdp", mesh=mesh)
+        fe.eformer.create_pattern_based_partition_spec("a->fsdp", mesh=mesh)
     with (
         jax.set_mesh(mesh),
         pytest.raises(fe.sharding.PartitionRuleError, match="mesh axis 'sp' is not"),
     ):
-        fe.sharding.create_pattern_based_partition_spec("a->sp")
+        fe.eformer.create_pattern_based_partition_spec("a->sp")

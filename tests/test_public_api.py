@@ -1,6 +1,8 @@
 import importlib
 import types
 
+import pytest
+
 import flax_escale
 
 EXPECTED = {
@@ -87,6 +89,124 @@ EXPECTED = {
         "parse_bytes",
         "plan_mesh",
     ],
+    "flax_escale.mesh": [
+        "DEFAULT_AXIS_DIMS",
+        "DEFAULT_AXIS_NAMES",
+        "AxisTypeLike",
+        "ClusterInfo",
+        "MeshAxisNames",
+        "assert_same_mesh",
+        "calculate_host_mesh_shape",
+        "cpu_context",
+        "create_cpu_mesh",
+        "create_mesh",
+        "current_mesh",
+        "detect_cluster",
+        "force_cpu",
+        "initialize_distributed",
+        "parse_mesh_from_string",
+        "parse_mesh_shape",
+        "peer_loss_as_mesh_error",
+        "resolve_axis_dims",
+        "with_auto_axes",
+    ],
+    "flax_escale.axes": ["VOCABULARIES", "LogicalRules", "MeshAxes", "PartitionAxis"],
+    "flax_escale.resolve": [
+        "Completion",
+        "Correction",
+        "LogicalAxes",
+        "PassedOver",
+        "Resolution",
+        "RulesLike",
+        "as_logical_rules",
+        "complete_spec",
+        "enforce",
+        "fit_spec",
+        "logical_to_mesh_axes",
+        "resolve_logical_axes",
+        "resolve_mesh_axes",
+    ],
+    "flax_escale.sharding": [
+        "IDLE_AXES_MIN_BYTES",
+        "Annotation",
+        "PartitionRuleError",
+        "PlanEntry",
+        "ShardingPlan",
+        "annotated_leaves",
+        "apply_spec",
+        "arrays_only",
+        "build_plan",
+        "constrain",
+        "init_opt_state",
+        "logical_to_mesh_sharding",
+        "make_shard_and_gather_fns",
+        "opt_state_shardings",
+        "read_annotation",
+        "reshard_tree",
+        "spec_from_shape",
+        "specs_from_regex",
+        "use_sharding",
+        "with_sharding_constraint",
+    ],
+    "flax_escale.frontend": [
+        "AxesPatterns",
+        "DeclaringMixin",
+        "InitOptions",
+        "Install",
+        "Overrides",
+        "apply_overrides",
+        "declare",
+        "record",
+        "unused_pattern_note",
+    ],
+    "flax_escale.t5x": [
+        "AxisNames",
+        "DataLayout",
+        "HardwareMesh",
+        "LocalChunkInfo",
+        "LocalChunker",
+        "PartitionedFunction",
+        "Partitioner",
+        "bounds_from_last_device",
+        "default_mesh",
+        "get_coords",
+        "get_cpu_mesh",
+        "get_gpu_mesh",
+        "get_mesh",
+        "global_mesh_defined",
+        "standard_logical_axis_rules",
+    ],
+    "flax_escale.eformer": [
+        "MeshPartitionHelper",
+        "NamedSharding",
+        "PartitionAxis",
+        "PartitionManager",
+        "PartitionSpec",
+        "ShardingAnalysis",
+        "analyze_sharding_strategy",
+        "auto_partition_spec",
+        "calculate_host_mesh_shape",
+        "cpu_context",
+        "create_cpu_mesh",
+        "create_mesh",
+        "create_pattern_based_partition_spec",
+        "extract_sharding_structure",
+        "extract_shardings",
+        "force_cpu",
+        "get_axes_size_in_mesh",
+        "get_incontext_mesh",
+        "get_mesh_axis_names",
+        "get_mesh_axis_size",
+        "get_names_from_partition_spec",
+        "get_partition_spec",
+        "get_shardings_with_structure",
+        "get_submesh_device_index",
+        "make_shard_and_gather_fns",
+        "match_partition_rules",
+        "names_in_current_mesh",
+        "parse_mesh_from_string",
+        "with_sharding_constraint",
+    ],
 }
 
 
@@ -148,3 +268,176 @@ def test_package_is_typed():
     from importlib.resources import files
 
     assert files("flax_escale").joinpath("py.typed").is_file()
+
+
+# --- one object per name, and the compatibility vocabularies only in their namespaces ---------
+
+# The namespaces of flax_escale.linen and flax_escale.nnx hold the API-specific form of these
+# front-end entry points, and the top level the one that dispatches on the model's API (as
+# flax.linen.Module and flax.nnx.Module are two classes); between any other two namespaces a
+# name is one object.
+FRONT_END_SPECIFIC = {
+    "ShardedMixin",
+    "init_sharded",
+    "lower_init",
+    "plan_sharding",
+    "sharded_module",
+}
+
+
+def test_a_name_is_the_same_object_in_every_namespace():
+    objects: dict[str, dict[str, object]] = {}
+    for module_name in EXPECTED:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            objects.setdefault(name, {})[module_name] = getattr(module, name)
+    front_ends = {"flax_escale.linen", "flax_escale.nnx"}
+    differing = {}
+    for name, by_module in objects.items():
+        compared = by_module
+        if name in FRONT_END_SPECIFIC:
+            compared = {m: o for m, o in by_module.items() if m not in front_ends}
+        if len({id(o) for o in compared.values()}) > 1:
+            differing[name] = sorted(compared)
+    assert differing == {}
+    # The exception covers exactly the names the front ends specialize.
+    specialized = {
+        name for name, by_module in objects.items() if len({id(o) for o in by_module.values()}) > 1
+    }
+    assert specialized == FRONT_END_SPECIFIC
+
+
+def test_eformer_reuses_the_core_object_wherever_its_call_means_the_same():
+    from flax_escale import eformer, sharding
+
+    assert eformer.create_mesh is flax_escale.create_mesh
+    assert eformer.PartitionAxis is flax_escale.PartitionAxis
+    # eformer calls it with_sharding_constraint(arr=..., sharding=...): the core's takes that.
+    assert eformer.with_sharding_constraint is flax_escale.with_sharding_constraint
+    assert eformer.make_shard_and_gather_fns is sharding.make_shard_and_gather_fns
+
+
+# Public names that moved, as "old place -> new place". Each still works from its old place for
+# one release, with a DeprecationWarning naming the new one.
+MOVED = [
+    "flax_escale.mesh.LocalChunker -> flax_escale.t5x.LocalChunker",
+    "flax_escale.mesh.LocalChunkInfo -> flax_escale.t5x.LocalChunkInfo",
+    "flax_escale.mesh.get_mesh_axis_size -> flax_escale.eformer.get_mesh_axis_size",
+    "flax_escale.mesh.get_submesh_device_index -> flax_escale.eformer.get_submesh_device_index",
+    "flax_escale.mesh.names_in_current_mesh -> flax_escale.eformer.names_in_current_mesh",
+    "flax_escale.mesh.get_mesh_axis_names -> flax_escale.eformer.get_mesh_axis_names",
+    "flax_escale.mesh.get_axes_size_in_mesh -> flax_escale.eformer.get_axes_size_in_mesh",
+    "flax_escale.mesh.get_incontext_mesh -> flax_escale.mesh.current_mesh",
+    "flax_escale.axes.AxisNames -> flax_escale.t5x.AxisNames",
+    "flax_escale.axes.standard_logical_axis_rules -> flax_escale.t5x.standard_logical_axis_rules",
+    "flax_escale.sharding.extract_shardings -> flax_escale.eformer.extract_shardings",
+    "flax_escale.sharding.get_partition_spec -> flax_escale.eformer.get_partition_spec",
+    "flax_escale.sharding.get_names_from_partition_spec -> "
+    "flax_escale.eformer.get_names_from_partition_spec",
+    "flax_escale.sharding.ShardingAnalysis -> flax_escale.eformer.ShardingAnalysis",
+    "flax_escale.sharding.analyze_sharding_strategy -> "
+    "flax_escale.eformer.analyze_sharding_strategy",
+    "flax_escale.sharding.MeshPartitionHelper -> flax_escale.eformer.MeshPartitionHelper",
+    "flax_escale.sharding.create_pattern_based_partition_spec -> "
+    "flax_escale.eformer.create_pattern_based_partition_spec",
+    "flax_escale.sharding.auto_partition_spec -> flax_escale.sharding.spec_from_shape",
+    "flax_escale.sharding.match_partition_rules -> flax_escale.sharding.specs_from_regex",
+]
+
+
+# t5x's and eformer's vocabularies: every name that moved out of the core (the core's renamed
+# functions included: their old names were eformer's), and the compatibility-only ones.
+COMPAT_VOCABULARY = {move.split(" -> ")[0].rpartition(".")[2] for move in MOVED} | {
+    "PartitionManager",
+    "extract_sharding_structure",
+    "get_shardings_with_structure",
+    "process_blocks",
+}
+COMPAT_PACKAGES = ("flax_escale.t5x", "flax_escale.eformer")
+
+
+def _core_modules() -> list[types.ModuleType]:
+    import pkgutil
+
+    names = ["flax_escale"] + [
+        info.name
+        for info in pkgutil.walk_packages(flax_escale.__path__, prefix="flax_escale.")
+        if not info.name.endswith("__main__")
+    ]
+    core = [n for n in names if not any(n == p or n.startswith(p + ".") for p in COMPAT_PACKAGES)]
+    return [importlib.import_module(name) for name in core]
+
+
+def test_no_core_module_defines_or_exports_the_compatibility_vocabularies():
+    modules = _core_modules()
+    assert {m.__name__ for m in modules} >= {"flax_escale.mesh._context", "flax_escale._report"}
+    for module in modules:
+        exported = set(getattr(module, "__all__", ())) & COMPAT_VOCABULARY
+        assert not exported, f"{module.__name__} exports {sorted(exported)}"
+        for name, value in vars(module).items():
+            defined_here = getattr(value, "__module__", None) == module.__name__
+            assert not (defined_here and getattr(value, "__name__", name) in COMPAT_VOCABULARY), (
+                f"{module.__name__} defines {name}"
+            )
+            # No object of a compatibility namespace is held by a core module.
+            origin = getattr(value, "__module__", None) or ""
+            if not isinstance(value, types.ModuleType):
+                assert not origin.startswith(COMPAT_PACKAGES), f"{module.__name__}.{name}"
+
+
+def test_core_modules_do_not_import_the_compatibility_namespaces():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(flax_escale.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).parts
+        if relative[0] in ("t5x", "eformer"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if relative == ("__init__.py",):
+                # The top level binds the namespaces as attributes (fe.t5x, fe.eformer).
+                targets = [t for t in targets if t not in COMPAT_PACKAGES]
+            offending = [t for t in targets if t.startswith(COMPAT_PACKAGES)]
+            assert not offending, f"{path.relative_to(root)} imports {offending}"
+
+
+@pytest.mark.parametrize("move", MOVED)
+def test_a_moved_name_warns_and_gives_the_object_at_its_new_place(move):
+    import re
+
+    (old, _, name), (new, _, new_name) = (path.rpartition(".") for path in move.split(" -> "))
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    assert name not in old_module.__all__
+    assert name not in vars(old_module)
+    place = re.escape(f"{old}.{name} is deprecated") + ".*" + re.escape(f"use {new}.{new_name}")
+    with pytest.warns(DeprecationWarning, match=place):
+        found = getattr(old_module, name)
+    assert found is getattr(new_module, new_name)
+    with pytest.warns(DeprecationWarning, match=place):
+        exec(f"from {old} import {name} as imported", namespace := {})
+    assert namespace["imported"] is found
+
+
+def test_renamed_core_functions_point_to_the_eformer_signature_too():
+    from flax_escale import mesh, sharding
+
+    for module, name in ((mesh, "get_incontext_mesh"), (sharding, "auto_partition_spec")):
+        with pytest.warns(DeprecationWarning, match=rf"flax_escale\.eformer\.{name}"):
+            getattr(module, name)
+    with pytest.warns(DeprecationWarning, match=r"flax_escale\.eformer\.match_partition_rules"):
+        sharding.match_partition_rules  # noqa: B018
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    from flax_escale import axes, mesh, sharding
+
+    for module in (axes, mesh, sharding):
+        with pytest.raises(AttributeError, match=rf"module '{module.__name__}' has no attribute"):
+            module.no_such_name  # noqa: B018

@@ -9,7 +9,6 @@ from fake_devices import FakeDevice, FakeTpu
 from jax.sharding import AxisType, Mesh
 
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh._chunks import process_blocks
 from flax_escale.t5x import (
     bounds_from_last_device,
     default_mesh,
@@ -19,6 +18,7 @@ from flax_escale.t5x import (
     get_mesh,
     global_mesh_defined,
 )
+from flax_escale.t5x._chunks import process_blocks
 
 
 def hosts(processes: int, per_process: int, *, id_stride: int | None = None) -> list[FakeDevice]:

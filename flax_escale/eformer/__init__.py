@@ -1,17 +1,22 @@
 """eformer.escale's names and signatures, so that eformer code runs by changing one import.
 
-``from eformer import escale`` becomes ``from flax_escale import eformer as escale``. Every
-name is the library's own function where eformer's signature and meaning agree with it, and a
-thin adapter over it where they differ (``get_incontext_mesh(raise_error=)``,
-``match_partition_rules``'s ``strict``, ``with_sharding_constraint(arr=)``,
-``auto_partition_spec(x, mesh, names, min_sharding_size, reverse)``,
-``MeshPartitionHelper.create_partition_spec``'s candidate ``methods``, ``PartitionManager``).
-So results follow the library's policy: a spec that cannot apply is corrected with a
+``from eformer import escale`` becomes ``from flax_escale import eformer as escale``. eformer's
+vocabulary lives here only: the core speaks JAX's and Flax's. A name is the core's own object
+where eformer's call means the same to it (``create_mesh``, ``with_sharding_constraint``,
+``make_shard_and_gather_fns``, ...), and an adapter over the core where it does not:
+``get_incontext_mesh(raise_error=)`` over :func:`~flax_escale.mesh.current_mesh`,
+``match_partition_rules`` (its ``strict``) over :func:`~flax_escale.sharding.specs_from_regex`,
+``auto_partition_spec(x, mesh, names, min_sharding_size, reverse)`` over
+:func:`~flax_escale.sharding.spec_from_shape`, ``MeshPartitionHelper`` (its
+``create_partition_spec`` takes candidate ``methods``), ``analyze_sharding_strategy`` (a dict
+over the figures of :class:`~flax_escale.ShardingReport`), the mesh queries, the spec readers,
+``create_pattern_based_partition_spec`` and ``PartitionManager``. So results follow the
+library's policy: a spec that cannot apply is corrected with a
 :class:`~flax_escale.ShardingCorrectionWarning` (never dropped silently), and errors are
 :class:`~flax_escale.EscaleError` subclasses (``ValueError``), where eformer raises
 ``AssertionError`` for a missing mesh and ``KeyError`` for an unknown axis.
 ``extract_sharding_structure`` and ``get_shardings_with_structure`` are
-:func:`~flax_escale.sharding.extract_shardings`.
+:func:`extract_shardings`.
 
 The README's "Coming from eformer" section maps each call to the library's own.
 
@@ -34,35 +39,34 @@ Example:
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_escale.axes import PartitionAxis
-from flax_escale.eformer._functions import (
-    auto_partition_spec,
-    get_incontext_mesh,
-    match_partition_rules,
-    with_sharding_constraint,
-)
+from flax_escale.eformer._functions import auto_partition_spec, match_partition_rules
 from flax_escale.eformer._helper import MeshPartitionHelper
+from flax_escale.eformer._inspect import (
+    ShardingAnalysis,
+    analyze_sharding_strategy,
+    extract_shardings,
+    get_names_from_partition_spec,
+    get_partition_spec,
+)
 from flax_escale.eformer._manager import PartitionManager
+from flax_escale.eformer._mesh import (
+    get_axes_size_in_mesh,
+    get_incontext_mesh,
+    get_mesh_axis_names,
+    get_mesh_axis_size,
+    get_submesh_device_index,
+    names_in_current_mesh,
+)
+from flax_escale.eformer._pattern import create_pattern_based_partition_spec
 from flax_escale.mesh import (
     calculate_host_mesh_shape,
     cpu_context,
     create_cpu_mesh,
     create_mesh,
     force_cpu,
-    get_axes_size_in_mesh,
-    get_mesh_axis_names,
-    get_mesh_axis_size,
-    get_submesh_device_index,
-    names_in_current_mesh,
     parse_mesh_from_string,
 )
-from flax_escale.sharding import (
-    analyze_sharding_strategy,
-    create_pattern_based_partition_spec,
-    extract_shardings,
-    get_names_from_partition_spec,
-    get_partition_spec,
-    make_shard_and_gather_fns,
-)
+from flax_escale.sharding import make_shard_and_gather_fns, with_sharding_constraint
 
 # eformer has three names for reading a tree's shardings; the library has one.
 extract_sharding_structure = extract_shardings
@@ -74,6 +78,7 @@ __all__ = [
     "PartitionAxis",
     "PartitionManager",
     "PartitionSpec",
+    "ShardingAnalysis",
     "analyze_sharding_strategy",
     "auto_partition_spec",
     "calculate_host_mesh_shape",

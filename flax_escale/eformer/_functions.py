@@ -1,4 +1,4 @@
-"""The eformer.escale functions whose signature or meaning differs from the library's.
+"""eformer's regex rules and automatic spec, whose signatures differ from the core's.
 
 Each is a thin adapter: it translates eformer's arguments and calls the one implementation in
 the core, so corrections, errors and results are the library's.
@@ -9,59 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale.axes import PartitionAxis
-from flax_escale.errors import EscaleTypeError, NoMeshError
+from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh as _current_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.resolve._fit import mesh_axes_of
-from flax_escale.sharding import auto_partition_spec as _auto_partition_spec
-from flax_escale.sharding import match_partition_rules as _match_partition_rules
-from flax_escale.sharding import with_sharding_constraint as _with_sharding_constraint
+from flax_escale.sharding import spec_from_shape, specs_from_regex
 
-__all__ = [
-    "auto_partition_spec",
-    "get_incontext_mesh",
-    "match_partition_rules",
-    "with_sharding_constraint",
-]
-
-
-def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
-    """The current mesh; with ``raise_error=False``, ``None`` when there is none.
-
-    The mesh is found as :func:`flax_escale.mesh.get_incontext_mesh` finds it: ``jax.set_mesh``
-    first, then the legacy ``with mesh:``.
-
-    Args:
-        raise_error: Raise when no mesh is set (eformer raises ``AssertionError`` there; this
-            raises :class:`~flax_escale.NoMeshError`, a ``ValueError``).
-
-    Returns:
-        The current ``Mesh`` (its ``AbstractMesh`` while tracing), or ``None``.
-
-    Raises:
-        NoMeshError: If no mesh is set and ``raise_error`` is true.
-        EscaleTypeError: If ``raise_error`` is not a bool.
-
-    Example:
-        >>> import jax
-        >>> from flax_escale import eformer as escale
-        >>> escale.get_incontext_mesh(raise_error=False) is None
-        True
-        >>> mesh = escale.create_mesh()
-        >>> with jax.set_mesh(mesh):
-        ...     escale.get_incontext_mesh() is mesh
-        True
-    """
-    raise_error = check.flag(raise_error, "raise_error")
-    try:
-        return _current_mesh()
-    except NoMeshError:
-        if raise_error:
-            raise
-        return None
+__all__ = ["auto_partition_spec", "match_partition_rules"]
 
 
 def match_partition_rules(
@@ -72,7 +29,7 @@ def match_partition_rules(
 ) -> Any:
     """A ``PartitionSpec`` for every array of ``tree``, from the first regex matching its path.
 
-    :func:`flax_escale.sharding.match_partition_rules` with eformer's meaning of ``strict``:
+    :func:`flax_escale.sharding.specs_from_regex` with eformer's meaning of ``strict``:
     ``True`` applies ``min_size`` (``None`` is eformer's default minimum, 16384 elements),
     ``False`` applies every matched rule whatever the array's size. In both modes an array no
     rule matches raises, as in eformer; specs are always cut to the array's rank, and cutting
@@ -90,7 +47,7 @@ def match_partition_rules(
     Raises:
         PartitionRuleError: For an array no rule matches (a ``ValueError``, as in eformer).
         EscaleTypeError: For malformed ``rules`` or ``tree`` (see
-            :func:`flax_escale.sharding.match_partition_rules`), or ``strict`` not a bool.
+            :func:`flax_escale.sharding.specs_from_regex`), or ``strict`` not a bool.
 
     Example:
         >>> import numpy as np
@@ -104,33 +61,7 @@ def match_partition_rules(
         P('fsdp', 'tp')
     """
     strict = check.flag(strict, "strict")
-    return _match_partition_rules(rules, tree, min_size=min_size if strict else 0, strict=True)
-
-
-def with_sharding_constraint(
-    arr: Any,
-    sharding: PartitionSpec | NamedSharding | Any,
-    *,
-    mesh: Mesh | AbstractMesh | None = None,
-    strict: bool = False,
-) -> Any:
-    """:func:`flax_escale.with_sharding_constraint`, whose ``x`` eformer calls ``arr``.
-
-    The other arguments are the library's. A spec that does not fit an array is corrected, as
-    eformer corrects it, but with a :class:`~flax_escale.ShardingCorrectionWarning`; ``strict``
-    raises instead.
-
-    Example:
-        >>> import numpy as np
-        >>> from jax.sharding import PartitionSpec as P
-        >>> from flax_escale import eformer as escale
-        >>> mesh = escale.create_mesh((1, 4, 1, 2, 1))
-        >>> y = escale.with_sharding_constraint(arr=np.ones((8, 4)), sharding=P("fsdp", "tp"),
-        ...                                     mesh=mesh)
-        >>> y.sharding.spec
-        P('fsdp', 'tp')
-    """
-    return _with_sharding_constraint(arr, sharding, mesh=mesh, strict=strict)
+    return specs_from_regex(rules, tree, min_size=min_size if strict else 0, strict=True)
 
 
 def auto_partition_spec(
@@ -144,7 +75,7 @@ def auto_partition_spec(
 ) -> PartitionSpec:
     """An automatic spec for the array ``x``, with eformer's signature.
 
-    The spec is :func:`flax_escale.sharding.auto_partition_spec`'s (tensor axes from the last
+    The spec is :func:`flax_escale.sharding.spec_from_shape`'s (tensor axes from the last
     dimension they divide, data axes from the first; always divides the shape), so it can differ
     from eformer's largest-dimension-first choice. As eformer's, it has one entry per dimension.
 
@@ -188,7 +119,7 @@ def auto_partition_spec(
         )
     shape = tuple(shape)
     mesh = check.optional_mesh(mesh)
-    mesh = _current_mesh() if mesh is None else mesh
+    mesh = current_mesh() if mesh is None else mesh
     if min_sharding_size is not None:
         min_sharding_size = check.non_negative_int(min_sharding_size, "min_sharding_size")
     axes = None
@@ -196,7 +127,7 @@ def auto_partition_spec(
         names = check.sequence(names, "names", "mesh axis names", "('fsdp', 'tp')")
     if names:  # eformer reads an empty list as "every axis", like None
         axes = tuple(a for name in names for a in mesh_axes_of(name, argument="names entry"))
-    spec = _auto_partition_spec(
+    spec = spec_from_shape(
         shape[::-1] if reverse else shape,
         mesh,
         min_shard_size=mesh.size if min_sharding_size is None else min_sharding_size,

@@ -24,7 +24,7 @@ from flax_escale.errors import (
     ShardingResolutionError,
 )
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh as get_incontext_mesh
 from flax_escale.resolve._fit import Correction, fit_spec, mesh_axes_of
 from flax_escale.resolve._resolution import PassedOver, Resolution, enforce
 from flax_escale.resolve._rules import RulesLike, as_logical_rules

@@ -15,17 +15,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale.axes import PartitionAxis
-from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
+from flax_escale.errors import MeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.resolve._fit import fit_spec, mesh_axes_of
-from flax_escale.sharding._constraint import with_sharding_constraint
-from flax_escale.sharding._paths import flatten_with_paths
+from flax_escale.resolve._fit import mesh_axes_of
 
-__all__ = ["MeshPartitionHelper", "auto_partition_spec"]
+__all__ = ["spec_from_shape"]
 
 Methods = list[tuple[str, ...]]
 
@@ -65,7 +62,8 @@ def suggest_methods(
     return methods
 
 
-def _paxis(paxis: Any) -> PartitionAxis:
+def checked_paxis(paxis: Any) -> PartitionAxis:
+    """``paxis``, checked to be a ``PartitionAxis``; ``None`` gives the default one."""
     if paxis is None:
         return PartitionAxis()
     return check.instance(
@@ -73,14 +71,15 @@ def _paxis(paxis: Any) -> PartitionAxis:
     )
 
 
-def _spec(methods: Methods) -> PartitionSpec:
+def spec_from_methods(methods: Methods) -> PartitionSpec:
+    """The ``PartitionSpec`` of one tuple of mesh axes per dimension, trailing ``None`` cut."""
     entries = [m[0] if len(m) == 1 else (m or None) for m in methods]
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
 
 
-def auto_partition_spec(
+def spec_from_shape(
     shape: Sequence[int],
     mesh: Mesh | AbstractMesh,
     *,
@@ -103,26 +102,26 @@ def auto_partition_spec(
 
     Example:
         >>> from flax_escale import PartitionAxis, create_mesh
-        >>> from flax_escale.sharding import auto_partition_spec
+        >>> from flax_escale.sharding import spec_from_shape
         >>> mesh = create_mesh((2, 2, 1, 2, 1))
-        >>> auto_partition_spec((1024, 4096), mesh)
+        >>> spec_from_shape((1024, 4096), mesh)
         P(('fsdp', 'dp'), 'tp')
-        >>> auto_partition_spec((6, 4096), mesh)  # 6 is not divisible by fsdp * dp = 4
+        >>> spec_from_shape((6, 4096), mesh)  # 6 is not divisible by fsdp * dp = 4
         P('fsdp', ('tp', 'dp'))
-        >>> auto_partition_spec((8,), mesh)
+        >>> spec_from_shape((8,), mesh)
         P()
         >>> other = create_mesh((2, 4), ("data", "model"))
-        >>> auto_partition_spec((64, 64), other, min_shard_size=1,
-        ...                     paxis=PartitionAxis(data_parallel_axis="data",
-        ...                                         tensor_parallel_axis="model"))
+        >>> spec_from_shape((64, 64), other, min_shard_size=1,
+        ...                 paxis=PartitionAxis(data_parallel_axis="data",
+        ...                                     tensor_parallel_axis="model"))
         P('data', 'model')
-        >>> auto_partition_spec((1024, 4096), mesh, axes=("fsdp", "tp"))
+        >>> spec_from_shape((1024, 4096), mesh, axes=("fsdp", "tp"))
         P('fsdp', 'tp')
     """
     shape = check.shape(shape, "shape")
     sizes = dict(check.mesh(mesh).shape)
     min_shard_size = check.non_negative_int(min_shard_size, "min_shard_size")
-    paxis = _paxis(paxis)
+    paxis = checked_paxis(paxis)
     if axes is not None:
         allowed = mesh_axes_of(axes, argument="axes")
         missing = [a for a in allowed if a not in sizes]
@@ -133,118 +132,4 @@ def auto_partition_spec(
         sizes = {a: size for a, size in sizes.items() if a in allowed}
     if len(shape) == 0 or math.prod(shape) < min_shard_size:
         return PartitionSpec()
-    return _spec(suggest_methods(tuple(shape), sizes, paxis))
-
-
-class MeshPartitionHelper:
-    """Shape-based sharding of whole pytrees on one mesh.
-
-    Attributes:
-        mesh: The mesh.
-        axis_sizes: Mesh axis name to size.
-
-    Example:
-        >>> import numpy as np
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.sharding import MeshPartitionHelper
-        >>> helper = MeshPartitionHelper(create_mesh((2, 4, 1, 1, 1)))
-        >>> params = {"w": np.ones((512, 256), np.float32), "b": np.ones(256, np.float32)}
-        >>> sharded = helper.auto_shard_pytree(params)
-        >>> sharded["w"].sharding.spec, sharded["b"].sharding.spec
-        (P(('fsdp', 'dp'), None), P(None,))
-    """
-
-    def __init__(self, mesh: Mesh, paxis: PartitionAxis | None = None) -> None:
-        """Binds the helper to ``mesh``; ``paxis`` names the tensor and data axes.
-
-        Raises:
-            EscaleTypeError: If ``mesh`` is not a mesh or ``paxis`` not a ``PartitionAxis``.
-        """
-        self.mesh = check.mesh(mesh)
-        self.axis_sizes: dict[str, int] = dict(mesh.shape)
-        self._paxis = _paxis(paxis)
-
-    def suggest_methods(self, array_shape: Sequence[int]) -> Methods:
-        """The mesh axes to place on each dimension of ``array_shape``."""
-        shape = check.shape(array_shape, "array_shape")
-        return suggest_methods(shape, self.axis_sizes, self._paxis)
-
-    def analyze_pytree(self, pytree: Any) -> dict[tuple[int, ...], Methods]:
-        """The suggested methods for each distinct array shape in ``pytree``."""
-        check.tree_of_arrays(pytree, "pytree")
-        shapes = {
-            tuple(value.shape)
-            for _, value, _ in flatten_with_paths(pytree)[0]
-            if hasattr(value, "shape")
-        }
-        return {shape: self.suggest_methods(shape) for shape in sorted(shapes)}
-
-    def create_partition_spec(
-        self, array_shape: Sequence[int], methods: Methods, min_shard_size: int = 1024
-    ) -> PartitionSpec:
-        """Turns per-dimension ``methods`` into a spec, checking each against the shape.
-
-        Arrays with fewer than ``min_shard_size`` elements are replicated. Methods past the
-        array's rank that name no axis are ignored; methods naming an axis the mesh lacks, an
-        axis already used, not dividing their dimension, or past the rank raise.
-
-        Raises:
-            EscaleError: If ``methods`` do not fit the shape and mesh.
-            EscaleTypeError: If ``methods`` is not a list of axis names or tuples of them, or
-                ``array_shape`` is not a tuple of ints.
-
-        Example:
-            >>> from flax_escale import create_mesh
-            >>> from flax_escale.sharding import MeshPartitionHelper
-            >>> helper = MeshPartitionHelper(create_mesh((1, 4, 1, 2, 1)))
-            >>> helper.create_partition_spec((1024, 1024), [("fsdp",), ("tp",)])
-            P('fsdp', 'tp')
-            >>> helper.create_partition_spec((1024, 6), [("fsdp",), ("tp", "sp")])
-            P('fsdp', ('tp', 'sp'))
-        """
-        if isinstance(methods, str) or not isinstance(methods, (Sequence, PartitionSpec)):
-            raise EscaleTypeError(
-                f"methods must be a list with one tuple of mesh axes per dimension (as "
-                f"suggest_methods gives), got {type(methods).__name__} {methods!r}."
-            )
-        shape = check.shape(array_shape, "array_shape")
-        if len(shape) == 0 or math.prod(shape) < min_shard_size:
-            return PartitionSpec()
-        entries = [mesh_axes_of(m, argument=f"methods[{dim}]") for dim, m in enumerate(methods)]
-        fitted, corrections = fit_spec(entries, shape, self.axis_sizes)
-        if corrections:
-            first = corrections[0]
-            raise EscaleError(
-                f"methods {methods}: dimension {first.dim} of shape {shape} cannot be split over "
-                f"{first.mesh_axes} on mesh {self.axis_sizes}: {first.detail}. Use "
-                f"suggest_methods({shape}) for methods that fit, or change that dimension's axes."
-            )
-        return _spec([mesh_axes_of(entry) for entry in fitted])
-
-    def partition_specs(self, pytree: Any, min_shard_size: int = 1024) -> Any:
-        """The automatic spec of every array (or ``ShapeDtypeStruct``) in ``pytree``."""
-        check.tree_of_arrays(pytree, "pytree")
-        flat, treedef = flatten_with_paths(pytree)
-        return treedef.unflatten(
-            [self._auto_spec(getattr(v, "shape", ()), min_shard_size) for _, v, _ in flat]
-        )
-
-    def shard_array(self, array: Any, partition_spec: PartitionSpec) -> jax.Array:
-        """Places ``array`` on the mesh with exactly ``partition_spec`` (which must fit)."""
-        return with_sharding_constraint(array, partition_spec, mesh=self.mesh, strict=True)
-
-    def auto_shard_pytree(self, pytree: Any, min_shard_size: int = 1024) -> Any:
-        """Every array of ``pytree`` placed with its automatic spec."""
-        check.tree_of_arrays(pytree, "pytree")
-        flat, treedef = flatten_with_paths(pytree)
-        return treedef.unflatten(
-            [
-                self.shard_array(value, self._auto_spec(value.shape, min_shard_size))
-                for _, value, _ in flat
-            ]
-        )
-
-    def _auto_spec(self, shape: Sequence[int], min_shard_size: int) -> PartitionSpec:
-        return auto_partition_spec(
-            shape, self.mesh, min_shard_size=min_shard_size, paxis=self._paxis
-        )
+    return spec_from_methods(suggest_methods(tuple(shape), sizes, paxis))

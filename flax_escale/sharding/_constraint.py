@@ -10,7 +10,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.mesh._axes import without_unit_explicit_axes
 from flax_escale.resolve import enforce, resolve_mesh_axes
 from flax_escale.resolve._fit import mesh_axes_of
@@ -88,47 +88,49 @@ def _as_array(leaf: Any) -> jax.Array:
         return jnp.asarray(leaf)
     except (TypeError, ValueError):
         raise EscaleTypeError(
-            f"x must be an array or a pytree of arrays, got a leaf {check.describe(leaf)}; pass "
+            f"arr must be an array or a pytree of arrays, got a leaf {check.describe(leaf)}; pass "
             "the arrays to constrain (numpy and Python numbers are converted)."
         ) from None
 
 
 def with_sharding_constraint(
-    x: Any,
+    arr: Any,
     sharding: Any,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     strict: bool = False,
 ) -> Any:
-    """Constrains every array in ``x`` to a sharding, made to fit the array and the mesh.
+    """Constrains every array in ``arr`` to a sharding, made to fit the array and the mesh.
 
-    ``sharding`` is a ``PartitionSpec`` or ``NamedSharding`` for every leaf, or a tree of them
-    (``None`` meaning replicated) with the structure of ``x``. Each spec is padded or truncated
-    to the array's rank, and a dimension's mesh axes are dropped when the mesh lacks one of
-    them, another dimension already uses one, or they do not divide the dimension; each such
-    correction raises a :class:`~flax_escale.ShardingCorrectionWarning` (or, with ``strict``,
-    a :class:`~flax_escale.ShardingResolutionError`).
+    This is ``jax.lax.with_sharding_constraint(x, shardings)`` (the same arguments, by
+    position), made shape-aware and never silent. ``sharding`` is a ``PartitionSpec`` or
+    ``NamedSharding`` for every leaf, or a tree of them (``None`` meaning replicated) with the
+    structure of ``arr``. Each spec is padded or truncated to the array's rank, and a
+    dimension's mesh axes are dropped when the mesh lacks one of them, another dimension
+    already uses one, or they do not divide the dimension; each such correction raises a
+    :class:`~flax_escale.ShardingCorrectionWarning` (or, with ``strict``, a
+    :class:`~flax_escale.ShardingResolutionError`).
 
     The mesh is the ``NamedSharding``'s, else ``mesh=``, else the current mesh (``jax.set_mesh``
-    or the legacy ``with mesh:``). With no mesh at all ``x`` is returned unchanged, so the same
+    or the legacy ``with mesh:``). With no mesh at all ``arr`` is returned unchanged, so the same
     model code runs on a single device. Numpy and Python inputs become ``jax.Array``s. On
     Explicit mesh axes the constraint is a ``jax.sharding.reshard``.
 
     Args:
-        x: An array or a pytree of arrays.
-        sharding: A ``PartitionSpec``, a ``NamedSharding``, or a tree of them matching ``x``.
+        arr: An array or a pytree of arrays.
+        sharding: A ``PartitionSpec``, a ``NamedSharding``, or a tree of them matching ``arr``.
         mesh: The mesh for ``PartitionSpec`` shardings; defaults to the current mesh.
         strict: Raise instead of correcting a spec that does not fit.
 
     Returns:
-        ``x`` with the constraints applied.
+        ``arr`` with the constraints applied.
 
     Raises:
         ShardingResolutionError: With ``strict=True``, if a spec does not fit.
         EscaleTypeError: If ``sharding`` is a string or not a spec (or a tree of them shaped
-            like ``x``), ``mesh`` is not a mesh, ``strict`` not a bool, or a leaf of ``x`` not
-            an array.
-        EscaleError: If ``sharding`` is a tree not shaped like ``x``.
+            like ``arr``), ``mesh`` is not a mesh, ``strict`` not a bool, or a leaf of ``arr``
+            not an array.
+        EscaleError: If ``sharding`` is a tree not shaped like ``arr``.
 
     Example:
         >>> import warnings
@@ -152,18 +154,18 @@ def with_sharding_constraint(
             f"string {sharding!r}; pass PartitionSpec({sharding!r})."
         )
     strict = check.flag(strict, "strict")
-    leaves, treedef = jax.tree_util.tree_flatten(x)
+    leaves, treedef = jax.tree_util.tree_flatten(arr)
     if isinstance(sharding, (PartitionSpec, NamedSharding)) or sharding is None:
         shardings = [sharding] * len(leaves)
     else:
-        shardings = check.structure_like(sharding, x, "sharding", "x")
+        shardings = check.structure_like(sharding, arr, "sharding", "arr")
         for leaf_sharding in shardings:
             if not isinstance(leaf_sharding, (PartitionSpec, NamedSharding, tuple, list)) and (
                 leaf_sharding is not None
             ):
                 raise EscaleTypeError(
                     f"sharding must be a PartitionSpec, a NamedSharding or a tree of them "
-                    f"shaped like x, got {check.describe(sharding)}; pass e.g. "
+                    f"shaped like arr, got {check.describe(sharding)}; pass e.g. "
                     "PartitionSpec('dp')."
                 )
     out = [
@@ -184,7 +186,7 @@ def _constrain_leaf(
         spec = PartitionSpec() if sharding is None else sharding
         if mesh is None:
             try:
-                mesh = get_incontext_mesh()
+                mesh = current_mesh()
             except NoMeshError:
                 return leaf
     array = leaf if isinstance(leaf, jax.Array) else _as_array(leaf)

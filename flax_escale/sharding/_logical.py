@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale.errors import EscaleTypeError, NoMeshError, ShardingResolutionError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.resolve import (
     LogicalAxes,
     RulesLike,
@@ -90,7 +90,7 @@ def constrain(
         )
     if mesh is None:
         try:
-            mesh = get_incontext_mesh()
+            mesh = current_mesh()
         except NoMeshError:
             return x
     frozen = as_logical_rules(rules)

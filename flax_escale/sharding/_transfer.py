@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.resolve import enforce, resolve_mesh_axes
 from flax_escale.sharding._paths import path_of
 
@@ -35,7 +35,7 @@ def as_named_sharding(spec: Any, mesh: Mesh | None, argument: str = "the spec") 
     if isinstance(spec, NamedSharding):
         return spec
     if mesh is None:
-        mesh = get_incontext_mesh()
+        mesh = current_mesh()
     if spec is None:
         spec = PartitionSpec()
     if not isinstance(spec, PartitionSpec):

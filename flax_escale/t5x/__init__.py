@@ -23,8 +23,8 @@ Example:
     ({'data': 1, 'model': 8}, P('data',))
 """
 
-from flax_escale.axes import AxisNames, standard_logical_axis_rules
-from flax_escale.mesh import LocalChunker, LocalChunkInfo
+from flax_escale.t5x._axes import AxisNames, standard_logical_axis_rules
+from flax_escale.t5x._chunks import LocalChunker, LocalChunkInfo
 from flax_escale.t5x._data import DataLayout
 from flax_escale.t5x._hardware import HardwareMesh, bounds_from_last_device, get_coords
 from flax_escale.t5x._mesh import default_mesh, get_cpu_mesh, get_gpu_mesh, global_mesh_defined

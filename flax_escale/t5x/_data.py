@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale._data import process_batch_slice
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError
-from flax_escale.mesh import LocalChunker, LocalChunkInfo
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.resolve import resolve_logical_axes
+from flax_escale.t5x._chunks import LocalChunker, LocalChunkInfo
 
 __all__ = ["DataLayout", "DataPartitioning"]
 

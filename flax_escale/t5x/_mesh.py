@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from flax_escale.errors import MeshError, NoMeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.t5x._hardware import (
     DATA_MODEL,
     HardwareMesh,
@@ -63,7 +63,7 @@ def global_mesh_defined() -> bool:
         True
     """
     try:
-        get_incontext_mesh()
+        current_mesh()
     except NoMeshError:
         return False
     return True

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from flax_escale.axes import LogicalRules, PartitionAxis, standard_logical_axis_rules
+from flax_escale.axes import LogicalRules, PartitionAxis
 from flax_escale.errors import EscaleError, MeshError
 from flax_escale.mesh import _validate as check
 from flax_escale.mesh import assert_same_mesh
@@ -25,6 +25,7 @@ from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import ShardingPlan, use_sharding
 from flax_escale.sharding._plan import USE_IDLE_AXES
 from flax_escale.sharding._transfer import as_named_sharding, is_spec_leaf
+from flax_escale.t5x._axes import standard_logical_axis_rules
 from flax_escale.t5x._data import DataPartitioning
 from flax_escale.t5x._mesh import default_mesh
 from flax_escale.t5x._state import StatePartitioning

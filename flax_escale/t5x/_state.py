@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from flax_escale.axes import AxisNames, LogicalRules
+from flax_escale.axes import LogicalRules
 from flax_escale.frontend._options import InitOptions
 from flax_escale.frontend._pipeline import plan_variables
 from flax_escale.sharding import (
@@ -23,6 +23,7 @@ from flax_escale.sharding import (
     make_shard_and_gather_fns,
 )
 from flax_escale.sharding._plan import USE_IDLE_AXES
+from flax_escale.t5x._axes import AxisNames
 
 __all__ = ["StatePartitioning"]
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh._chunks import process_blocks
+from flax_escale.t5x._chunks import process_blocks
 from flax_escale.t5x._hardware import (
     DATA_MODEL,
     HOST_AXES,

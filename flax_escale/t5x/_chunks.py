@@ -57,7 +57,7 @@ def process_blocks(devices: np.ndarray) -> dict[int, tuple[slice, ...] | None]:
 
     Example:
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.mesh._chunks import process_blocks
+        >>> from flax_escale.t5x._chunks import process_blocks
         >>> process_blocks(create_mesh((2, 4), ("data", "model")).devices)
         {0: (slice(0, 2, None), slice(0, 4, None))}
     """
@@ -94,7 +94,7 @@ class LocalChunker:
 
         >>> from jax.sharding import PartitionSpec
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.mesh import LocalChunker
+        >>> from flax_escale.t5x import LocalChunker
         >>> chunker = LocalChunker(create_mesh((2, 4), ("data", "model")))
         >>> chunker.num_chunks, chunker.chunk_ids
         ({'data': 1, 'model': 1}, {'data': 0, 'model': 0})

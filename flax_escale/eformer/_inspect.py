@@ -1,22 +1,28 @@
-"""Reading shardings back out of trees, and measuring what a layout costs each device."""
+"""eformer's readers of a tree's shardings, and its dict-shaped analysis of a layout.
+
+In JAX a leaf's sharding is ``leaf.sharding`` (``jax.tree.map`` over a tree); Flax reads the
+logical axes of boxed parameters with ``nn.get_partition_spec`` and NNX's with
+``nnx.get_partition_spec``. eformer's own names for reading mesh specs are these, and its
+analysis is the core's measurement (:class:`~flax_escale.ShardingReport`'s figures) read as
+eformer's dict.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import _validate as check
-from flax_escale.mesh import get_incontext_mesh
+from flax_escale.mesh import current_mesh
 from flax_escale.mesh._validate import describe
-from flax_escale.resolve._fit import fit_spec, mesh_axes_of
-from flax_escale.sharding._paths import flatten_with_paths, is_box, unbox
+from flax_escale.resolve._fit import mesh_axes_of
+from flax_escale.sharding._measure import LayoutFigures, measure_layout
+from flax_escale.sharding._paths import is_box, unbox
 
 __all__ = [
     "ShardingAnalysis",
@@ -43,7 +49,7 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> import numpy as np
         >>> from jax.sharding import NamedSharding, PartitionSpec
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.sharding import extract_shardings
+        >>> from flax_escale.eformer import extract_shardings
         >>> mesh = create_mesh((1, 8, 1, 1, 1))
         >>> w = jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, PartitionSpec("fsdp")))
         >>> extract_shardings({"w": w, "n": 3})["n"] is None
@@ -65,7 +71,7 @@ def _mesh(mesh: Mesh | None, caller: str) -> Mesh:
     if mesh is not None:
         return mesh
     try:
-        return get_incontext_mesh()
+        return current_mesh()
     except NoMeshError:
         raise NoMeshError(
             f"{caller}: a leaf carries a PartitionSpec and no mesh is given; pass mesh= or set "
@@ -106,7 +112,7 @@ def get_names_from_partition_spec(partition_specs: Any) -> list[str]:
 
     Example:
         >>> from jax.sharding import PartitionSpec
-        >>> from flax_escale.sharding import get_names_from_partition_spec
+        >>> from flax_escale.eformer import get_names_from_partition_spec
         >>> get_names_from_partition_spec({"a": PartitionSpec(("fsdp", "sp"), "tp"), "b": None})
         ['fsdp', 'sp', 'tp']
 
@@ -142,34 +148,16 @@ def get_names_from_partition_spec(partition_specs: Any) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardingAnalysis(Mapping):
-    """What a layout costs: element counts, bytes on every device, balance.
+class ShardingAnalysis(LayoutFigures, Mapping):
+    """What a layout costs, readable as the dict eformer returns.
 
-    Also readable as the dict eformer returns: ``analysis["total_parameters"]``, with the keys
-    ``total_parameters``, ``sharded_parameters``, ``memory_per_device`` (this class's
-    ``bytes_per_device``), ``balance_score`` and ``partition_stats``.
-
-    Attributes:
-        total_parameters: Elements of all arrays.
-        sharded_parameters: Elements of arrays split over at least one mesh axis.
-        total_bytes: Bytes of all arrays.
-        bytes_per_device: Bytes each device holds, by device id.
-        max_device_bytes: The fullest device's bytes.
-        min_device_bytes: The emptiest device's bytes.
-        balance_score: ``min / max`` device bytes (1.0 is perfect balance).
-        ideal_device_bytes: ``total_bytes / devices``.
-        partition_stats: For each spec (as text): arrays, elements and bytes using it.
+    Its attributes are the figures of a :class:`~flax_escale.ShardingReport`
+    (``total_parameters``, ``sharded_parameters``, ``total_bytes``, ``bytes_per_device``,
+    ``max_device_bytes``, ``min_device_bytes``, ``balance_score``, ``ideal_device_bytes``,
+    ``partition_stats``). Its keys are eformer's: ``analysis["total_parameters"]``,
+    ``"sharded_parameters"``, ``"memory_per_device"`` (the attribute ``bytes_per_device``),
+    ``"balance_score"`` and ``"partition_stats"``.
     """
-
-    total_parameters: int
-    sharded_parameters: int
-    total_bytes: int
-    bytes_per_device: dict[int, int]
-    max_device_bytes: int
-    min_device_bytes: int
-    balance_score: float
-    ideal_device_bytes: float
-    partition_stats: dict[str, dict[str, int]]
 
     # eformer's dict keys, and the attribute each one reads.
     _KEYS: ClassVar[dict[str, str]] = {
@@ -223,7 +211,7 @@ def analyze_sharding_strategy(
         >>> import numpy as np
         >>> from jax.sharding import PartitionSpec
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.sharding import analyze_sharding_strategy
+        >>> from flax_escale.eformer import analyze_sharding_strategy
         >>> mesh = create_mesh((1, 4, 1, 2, 1))
         >>> params = {"w": jax.ShapeDtypeStruct((16, 8), np.float32),
         ...           "b": jax.ShapeDtypeStruct((8,), np.float32)}
@@ -237,85 +225,4 @@ def analyze_sharding_strategy(
     mesh = check.optional_mesh(mesh)
     mesh = _mesh(mesh, "analyze_sharding_strategy") if mesh is None else mesh
     check.tree_of_arrays(pytree, "pytree")
-    flat, treedef = flatten_with_paths(pytree)
-    if isinstance(partition_specs, PartitionSpec) or partition_specs is None:
-        specs = [partition_specs] * len(flat)
-    elif isinstance(partition_specs, str):
-        raise EscaleTypeError(
-            f"partition_specs must be a PartitionSpec or a tree of them shaped like pytree, got "
-            f"the string {partition_specs!r}; pass PartitionSpec({partition_specs!r})."
-        )
-    else:
-        try:
-            specs = treedef.flatten_up_to(partition_specs)
-        except (ValueError, TypeError) as error:
-            raise EscaleError(
-                f"partition_specs must be a PartitionSpec or a tree of them shaped like pytree, "
-                f"got {describe(partition_specs)}: {str(error).splitlines()[0]} Give one spec "
-                "per array, with the same keys."
-            ) from None
-    for spec in specs:
-        if spec is not None and not isinstance(spec, PartitionSpec):
-            raise EscaleTypeError(
-                f"partition_specs must hold a PartitionSpec (or None) per array, got "
-                f"{describe(spec)}; pass e.g. PartitionSpec('fsdp', 'tp')."
-            )
-    per_device = {device.id: 0 for device in mesh.devices.flat}
-    stats: dict[str, dict[str, int]] = {}
-    total = sharded = total_bytes = 0
-    for (path, value, _), spec in zip(flat, specs, strict=True):
-        shape = tuple(getattr(value, "shape", ()))
-        itemsize = np.dtype(getattr(value, "dtype", np.float32)).itemsize
-        spec = PartitionSpec() if spec is None else spec
-        elements = math.prod(shape)
-        total += elements
-        total_bytes += elements * itemsize
-        entry = stats.setdefault(str(spec), {"arrays": 0, "parameters": 0, "bytes": 0})
-        entry["arrays"] += 1
-        entry["parameters"] += elements
-        entry["bytes"] += elements * itemsize
-        for device_id, elements_here in _elements_per_device(path, shape, spec, mesh):
-            per_device[device_id] += elements_here * itemsize
-        if any(mesh_axes_of(part) for part in spec):  # checked by _elements_per_device
-            sharded += elements
-    largest, smallest = max(per_device.values()), min(per_device.values())
-    return ShardingAnalysis(
-        total_parameters=total,
-        sharded_parameters=sharded,
-        total_bytes=total_bytes,
-        bytes_per_device=per_device,
-        max_device_bytes=largest,
-        min_device_bytes=smallest,
-        balance_score=smallest / largest if largest else 1.0,
-        ideal_device_bytes=total_bytes / mesh.size,
-        partition_stats=stats,
-    )
-
-
-def _elements_per_device(
-    path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
-) -> Iterable[tuple[int, int]]:
-    # A spec that does not divide its dimension is a layout XLA pads, measured as it is; one
-    # that cannot exist (an axis the mesh lacks or used twice, axes past the rank) is refused.
-    _, corrections = fit_spec(spec, shape, mesh.shape)
-    for problem in corrections:
-        if problem.kind != "not_divisible":
-            raise EscaleError(
-                f"{path!r}: spec {spec} cannot apply to shape {shape} on mesh "
-                f"{dict(mesh.shape)}: in dimension {problem.dim}, {problem.detail}. Give the "
-                "spec the array would have: one entry per dimension, axes of this mesh, each "
-                "axis at most once."
-            )
-    entries = (list(spec) + [None] * len(shape))[: len(shape)]
-    names = list(mesh.axis_names)
-    for coords in np.ndindex(*mesh.devices.shape):
-        elements = 1
-        for size, entry in zip(shape, entries, strict=True):
-            axes = mesh_axes_of(entry)
-            parts = math.prod(mesh.shape[a] for a in axes)
-            index = 0
-            for axis in axes:
-                index = index * mesh.shape[axis] + coords[names.index(axis)]
-            block = -(-size // parts)
-            elements *= min(max(size - index * block, 0), block)
-        yield int(mesh.devices[coords].id), elements
+    return measure_layout(pytree, partition_specs, mesh, into=ShardingAnalysis)
