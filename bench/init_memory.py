@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import flax_escale as fe
-from flax_escale import linen as fel
 from flax_escale import nnx as fen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -92,8 +91,8 @@ def per_device_table(devices: list[jax.Device]) -> None:
     for count in (c for c in (1, 2, 4, 8) if c <= len(devices)):
         mesh = fe.create_mesh((1, count, 1, 1, 1), devices=devices[:count])
         sharded = {
-            "linen_gpt": memory(fel.lower_init(gpt, mesh, key, tokens)),
-            "nnx_llama": memory(fen.lower_init(nnx_llama.Llama, mesh, 0, config)),
+            "linen_gpt": memory(fe.lower_init(gpt, mesh, key, tokens)),
+            "nnx_llama": memory(fe.lower_init(nnx_llama.Llama, mesh, 0, config)),
         }
         for model, analysis in sharded.items():
             whole, size = naive[model], analysis.output_size_in_bytes
@@ -145,9 +144,9 @@ def real_shapes_table(devices: list[jax.Device]) -> None:
     )
     tokens = jnp.zeros((2, 16), jnp.int32)
     stacks = {
-        "NNX, fen.stack_layers": lambda: fen.lower_init(nnx_llama.Llama, mesh, 0, LLAMA_7B),
-        "NNX, nnx.vmap": lambda: fen.lower_init(VmappedLlama, mesh, 0, LLAMA_7B),
-        "Linen GPT, nn.scan": lambda: fel.lower_init(gpt, mesh, jax.random.key(0), tokens),
+        "NNX, fen.stack_layers": lambda: fe.lower_init(nnx_llama.Llama, mesh, 0, LLAMA_7B),
+        "NNX, nnx.vmap": lambda: fe.lower_init(VmappedLlama, mesh, 0, LLAMA_7B),
+        "Linen GPT, nn.scan": lambda: fe.lower_init(gpt, mesh, jax.random.key(0), tokens),
     }
     for stack, lower in stacks.items():
         with warnings.catch_warnings():
@@ -164,10 +163,10 @@ def child(path: str, devices: list[jax.Device]) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     mesh = fe.create_mesh((1, 8, 1, 1, 1), devices=devices)
     if path == "sharded":
-        model = fen.init_sharded(nnx_llama.Llama, mesh, 0, LARGE)
+        model = fe.init_sharded(nnx_llama.Llama, mesh, 0, LARGE)
     else:
         model = nnx.jit(lambda: nnx_llama.Llama(LARGE, rngs=nnx.Rngs(0)))()
-        plan = fen.plan_sharding(nnx_llama.Llama, mesh, 0, LARGE)
+        plan = fe.plan_sharding(nnx_llama.Llama, mesh, 0, LARGE)
         state = jax.device_put(nnx.state(model), plan.shardings())
         nnx.update(model, state)
     jax.block_until_ready(nnx.state(model))

@@ -17,7 +17,7 @@ few hundred milliseconds on CPU):
    ``sp`` mesh). The same figures are ranked again on the ``h100`` profile (``MeshPlan.rank``,
    nothing compiled again), for contrast.
 2. For every mesh that fits, the real train state is built on that mesh (NNX:
-   ``fen.init_sharded`` and ``fen.init_optimizer``, ``nnx.split((model, optimizer))`` and a
+   ``fe.init_sharded`` and ``fen.init_optimizer``, ``nnx.split((model, optimizer))`` and a
    ``jax.jit`` of the example's ``train_step`` with the state's shardings pinned in and out and
    its buffers donated; Linen: ``fel.init_train_state`` and ``fel.jit_train_step``), compiled
    ahead of time (default XLA options, unlike the planner's) and run inside
@@ -176,7 +176,7 @@ class Runner:
                 workload.step, self.state, batch_sharding=sharding, has_aux=True
             )
         else:
-            model = fen.init_sharded(
+            model = fe.init_sharded(
                 workload.model, self.mesh, workload.rng, *workload.args, rules=self.rules
             )
             optimizer = fen.init_optimizer(model, workload.tx)

@@ -41,7 +41,7 @@ class Config:
     tie_embeddings: bool = False
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "(query|key|value)/kernel": ("hidden_state", "head", "attention_dim"),
         "out/kernel": ("head", "attention_dim", "hidden_state"),
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         return nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False, name="out")(y)
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "wi/kernel": ("hidden_state", "mlp_intermediate"),
         "wi/bias": ("mlp_intermediate",),
@@ -82,7 +82,7 @@ class Mlp(nn.Module):
         return nn.Dense(self.config.hidden, name="wo")(h)
 
 
-@fel.sharded_module({"(scale|bias)": ("hidden_state",)})
+@fe.sharded_module({"(scale|bias)": ("hidden_state",)})
 class Block(nn.Module):
     config: Config
 
@@ -93,7 +93,7 @@ class Block(nn.Module):
         return fe.constrain(x, ACTIVATION), None
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "token/embedding": ("vocab", "hidden_state"),
         "position/embedding": (None, "hidden_state"),
@@ -182,7 +182,7 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
     rng = jax.random.key(0)
     example = jnp.zeros((args.batch, config.max_len), jnp.int32)
 
-    print(fel.plan_sharding(model, mesh, rng, example, rules=rules).describe())
+    print(fe.plan_sharding(model, mesh, rng, example, rules=rules).describe())
     tx = optax.adamw(3e-3)
     state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=rules)
 

@@ -30,13 +30,12 @@ from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 
 import flax_escale as fe
-from flax_escale import linen as fel
 from flax_escale.t5x import Partitioner
 
 FEATURES = 32
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "wi/kernel": ("hidden_state", "mlp_intermediate"),
         "wo/kernel": ("mlp_intermediate", "hidden_state"),

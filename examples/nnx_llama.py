@@ -51,7 +51,7 @@ def rotary(x: jax.Array, base: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-@fen.sharded_module(
+@fe.sharded_module(
     {
         "q_proj/kernel": ("hidden_state", "head", "attention_dim"),
         "(k_proj|v_proj)/kernel": ("hidden_state", "kv_head", "attention_dim"),
@@ -85,7 +85,7 @@ class Attention(nnx.Module):
         return self.o_proj(fe.constrain(y, ("batch", "sequence", "head", "attention_dim")))
 
 
-@fen.sharded_module(
+@fe.sharded_module(
     {
         "(gate|up)/kernel": ("hidden_state", "mlp_intermediate"),
         "down/kernel": ("mlp_intermediate", "hidden_state"),
@@ -102,7 +102,7 @@ class SwiGlu(nnx.Module):
         return self.down(fe.constrain(h, ("batch", "sequence", "mlp_intermediate")))
 
 
-@fen.sharded_module({"scale": ("hidden_state",)})
+@fe.sharded_module({"scale": ("hidden_state",)})
 class Block(nnx.Module):
     def __init__(self, c: Config, *, rngs: nnx.Rngs):
         self.attention_norm = nnx.RMSNorm(c.hidden, rngs=rngs)
@@ -116,7 +116,7 @@ class Block(nnx.Module):
         return fe.constrain(x, ACTIVATION)
 
 
-@fen.sharded_module(
+@fe.sharded_module(
     {
         "embed/embedding": ("vocab", "hidden_state"),
         "final_norm/scale": ("hidden_state",),
@@ -198,8 +198,8 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
     mesh_text = args.mesh or ("2,2,1,2,1" if args.devices == "cpu" else "1,-1,1,1,1")
     mesh = fe.parse_mesh_from_string(mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
     rules = fe.PartitionAxis()
-    print(fen.plan_sharding(Llama, mesh, 0, config, rules=rules).describe())
-    model = fen.init_sharded(Llama, mesh, 0, config, rules=rules)
+    print(fe.plan_sharding(Llama, mesh, 0, config, rules=rules).describe())
+    model = fe.init_sharded(Llama, mesh, 0, config, rules=rules)
     optimizer = fen.init_optimizer(
         model, optax.adamw(3e-3), shard_over=("dp",) if args.zero1 else ()
     )

@@ -62,8 +62,8 @@ class Trainer:
         tx = optax.adamw(3e-3)
         if api == "nnx":
             self.config = nnx_llama.Config()
-            self.plan = fen.plan_sharding(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
-            model = fen.init_sharded(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
+            self.plan = fe.plan_sharding(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
+            model = fe.init_sharded(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
             optimizer = fen.init_optimizer(model, tx)
             self.graphdef, self.state = nnx.split((model, optimizer))
             self.step = jax.jit(self._nnx_step)
@@ -72,7 +72,7 @@ class Trainer:
             example = jnp.zeros((batch, self.config.max_len), jnp.int32)
             model = linen_gpt.Gpt(self.config)
             key = jax.random.key(0)
-            self.plan = fel.plan_sharding(model, mesh, key, example, rules=rules)
+            self.plan = fe.plan_sharding(model, mesh, key, example, rules=rules)
             self.state = fel.init_train_state(model, mesh, key, example, tx=tx, rules=rules)
             self.step = linen_gpt.train_step
 

@@ -22,7 +22,6 @@ from flax_escale._data import (
     host_local_to_global,
     process_batch_slice,
 )
-from flax_escale._dispatch import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale._report import (
     MemoryEstimate,
     ShardingReport,
@@ -40,6 +39,7 @@ from flax_escale.errors import (
     ShardingCorrectionWarning,
     ShardingResolutionError,
 )
+from flax_escale.frontend._entry import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale.mesh import (
     calculate_host_mesh_shape,
     cpu_context,

@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale import nnx as fen
 
 KERNEL_AXES = ("hidden_state", "mlp_intermediate")
 
@@ -49,10 +48,10 @@ def test_train_state_restores_onto_a_mesh_of_another_shape(tmp_path):
 def test_restore_with_plan_shardings_and_abstract_targets(tmp_path):
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
     x = jnp.ones((4, 32))
-    variables = fel.init_sharded(dense(), mesh, jax.random.key(1), x)
+    variables = fe.init_sharded(dense(), mesh, jax.random.key(1), x)
     fe.save_checkpoint(tmp_path / "v", variables)
     other = fe.create_mesh((2, 4, 1, 1, 1))
-    plan = fel.plan_sharding(dense(), other, jax.random.key(1), x)
+    plan = fe.plan_sharding(dense(), other, jax.random.key(1), x)
     abstract = jax.eval_shape(lambda: variables)
     restored = fe.restore_checkpoint(tmp_path / "v", abstract, shardings=plan.shardings())
     assert_bit_equal(restored, variables)
@@ -60,15 +59,15 @@ def test_restore_with_plan_shardings_and_abstract_targets(tmp_path):
 
 
 def test_nnx_state_round_trip(tmp_path):
-    @fen.sharded_module({"kernel": KERNEL_AXES})
+    @fe.sharded_module({"kernel": KERNEL_AXES})
     class Up(nnx.Module):
         def __init__(self, rngs):
             self.wi = nnx.Linear(32, 64, rngs=rngs)
 
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    model = fen.init_sharded(Up, mesh, 0)
+    model = fe.init_sharded(Up, mesh, 0)
     fe.save_checkpoint(tmp_path / "m", nnx.state(model))
-    fresh = fen.init_sharded(Up, fe.create_mesh((1, 8, 1, 1, 1)), 1)
+    fresh = fe.init_sharded(Up, fe.create_mesh((1, 8, 1, 1, 1)), 1)
     restored = fe.restore_checkpoint(tmp_path / "m", nnx.state(fresh))
     nnx.update(fresh, restored)
     assert_bit_equal(nnx.state(fresh), nnx.state(model))

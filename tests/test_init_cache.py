@@ -23,7 +23,7 @@ X = jnp.ones((4, 16))
 AXES = {"wi/kernel": ("hidden_state", "mlp_intermediate"), "wo/kernel": ("mlp_intermediate", None)}
 
 
-@fel.sharded_module(AXES)
+@fe.sharded_module(AXES)
 class Mlp(nn.Module):
     width: int = 32
 
@@ -33,7 +33,7 @@ class Mlp(nn.Module):
         return nn.Dense(x.shape[-1], use_bias=False, name="wo")(h)
 
 
-@fen.sharded_module(AXES)
+@fe.sharded_module(AXES)
 class NnxMlp(nnx.Module):
     def __init__(self, width, rngs):
         self.wi = nnx.Linear(16, width, use_bias=False, rngs=rngs)
@@ -87,14 +87,14 @@ def assert_bit_equal(a, b):
 
 
 def test_linen_second_init_traces_and_compiles_nothing(mesh):
-    first, seen = traced_or_compiled(lambda: fel.init_sharded(Mlp(), mesh, KEY, X))
+    first, seen = traced_or_compiled(lambda: fe.init_sharded(Mlp(), mesh, KEY, X))
     assert ("compile", "jit(init)") in seen
     # An equal module (a new instance) and a new key of the same kind.
-    second, seen = traced_or_compiled(lambda: fel.init_sharded(Mlp(), mesh, KEY, X))
+    second, seen = traced_or_compiled(lambda: fe.init_sharded(Mlp(), mesh, KEY, X))
     assert seen == []
     assert_bit_equal(first, second)
     assert second["params"]["wi"]["kernel"].sharding.spec == P(("fsdp", "sp"), "tp")
-    other_key = fel.init_sharded(Mlp(), mesh, jax.random.key(1), X)
+    other_key = fe.init_sharded(Mlp(), mesh, jax.random.key(1), X)
     assert not np.array_equal(other_key["params"]["wi"]["kernel"], first["params"]["wi"]["kernel"])
 
     info = fel.init_cache_info()
@@ -110,7 +110,7 @@ def test_linen_second_init_traces_and_compiles_nothing(mesh):
     ["input shape", "input dtype", "input sharding", "mesh", "rules", "strict", "field", "kwarg"],
 )
 def test_linen_what_changes_the_program_compiles_anew(mesh, change):
-    fel.init_sharded(Mlp(), mesh, KEY, X)
+    fe.init_sharded(Mlp(), mesh, KEY, X)
     model, args, options = Mlp(), [mesh, KEY, X], {}
     if change == "input shape":
         args[2] = jnp.ones((8, 16))
@@ -128,15 +128,15 @@ def test_linen_what_changes_the_program_compiles_anew(mesh, change):
         model = Mlp(width=64)
     else:
         options["method"] = "__call__"
-    _, seen = traced_or_compiled(lambda: fel.init_sharded(model, *args, **options))
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(model, *args, **options))
     assert ("compile", "jit(init)") in seen
     assert fel.init_cache_info().misses == 2
 
 
 def test_nnx_second_init_traces_and_compiles_nothing(mesh):
-    first, seen = traced_or_compiled(lambda: fen.init_sharded(NnxMlp, mesh, 0, 32))
+    first, seen = traced_or_compiled(lambda: fe.init_sharded(NnxMlp, mesh, 0, 32))
     assert ("compile", "jit(<lambda>)") in seen
-    second, seen = traced_or_compiled(lambda: fen.init_sharded(NnxMlp, mesh, 0, 32))
+    second, seen = traced_or_compiled(lambda: fe.init_sharded(NnxMlp, mesh, 0, 32))
     assert seen == []
     assert_bit_equal(nnx.state(first), nnx.state(second))
     assert second.wi.kernel.get_value().sharding.spec == P(("fsdp", "sp"), "tp")
@@ -148,7 +148,7 @@ def test_nnx_second_init_traces_and_compiles_nothing(mesh):
 
 @pytest.mark.parametrize("change", ["argument", "mesh", "rules", "key kind"])
 def test_nnx_what_changes_the_program_compiles_anew(mesh, change):
-    fen.init_sharded(NnxMlp, mesh, 0, 32)
+    fe.init_sharded(NnxMlp, mesh, 0, 32)
     args, options = [mesh, 0, 32], {}
     if change == "argument":
         args[2] = 64
@@ -158,23 +158,23 @@ def test_nnx_what_changes_the_program_compiles_anew(mesh, change):
         options["rules"] = fe.PartitionAxis(mlp_intermediate_axis="fsdp")
     else:
         args[1] = {"params": 0, "dropout": 1}
-    _, seen = traced_or_compiled(lambda: fen.init_sharded(NnxMlp, *args, **options))
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(NnxMlp, *args, **options))
     assert ("compile", "jit(<lambda>)") in seen
     assert fen.init_cache_info().misses == 2
 
 
 def test_rules_from_the_context_are_part_of_the_key(mesh):
-    fel.init_sharded(Mlp(), mesh, KEY, X)
+    fe.init_sharded(Mlp(), mesh, KEY, X)
     with nn.logical_axis_rules(fe.PartitionAxis(mlp_intermediate_axis="fsdp").logical_axis_rules()):
-        variables = fel.init_sharded(Mlp(), mesh, KEY, X)
+        variables = fe.init_sharded(Mlp(), mesh, KEY, X)
     assert variables["params"]["wi"]["kernel"].sharding.spec == P("tp", "fsdp")
     assert fel.init_cache_info().misses == 2
 
 
 def test_jax_configuration_is_part_of_the_key(mesh):
-    fel.init_sharded(Mlp(), mesh, KEY, X)
+    fe.init_sharded(Mlp(), mesh, KEY, X)
     with jax.default_matmul_precision("highest"):
-        _, seen = traced_or_compiled(lambda: fel.init_sharded(Mlp(), mesh, KEY, X))
+        _, seen = traced_or_compiled(lambda: fe.init_sharded(Mlp(), mesh, KEY, X))
     assert ("compile", "jit(init)") in seen
 
 
@@ -184,26 +184,26 @@ def test_corrections_warn_on_every_call(mesh):
     model = nn.Dense(16, kernel_init=init, use_bias=False)
     for _ in range(2):
         with pytest.warns(fe.ShardingCorrectionWarning, match=r"'params/kernel'.*\(6, 16\)"):
-            fel.init_sharded(model, mesh, KEY, jnp.ones((2, 6)))
+            fe.init_sharded(model, mesh, KEY, jnp.ones((2, 6)))
     assert fel.init_cache_info().hits == 1
 
 
 def test_unhashable_fields_compare_by_contents(mesh):
-    fel.init_sharded(Listed([8, 4]), mesh, KEY, X)
-    _, seen = traced_or_compiled(lambda: fel.init_sharded(Listed([8, 4]), mesh, KEY, X))
+    fe.init_sharded(Listed([8, 4]), mesh, KEY, X)
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(Listed([8, 4]), mesh, KEY, X))
     assert seen == []
-    fel.init_sharded(Listed([8, 2]), mesh, KEY, X)
+    fe.init_sharded(Listed([8, 2]), mesh, KEY, X)
     assert fel.init_cache_info().misses == 2
 
 
 def test_a_model_kept_by_identity_is_held_weakly(mesh):
     model = Holding(jnp.full((16,), 2.0))
-    fel.init_sharded(model, mesh, KEY, X)
+    fe.init_sharded(model, mesh, KEY, X)
     with counting() as seen:
-        fel.init_sharded(model, mesh, KEY, X)
+        fe.init_sharded(model, mesh, KEY, X)
     assert seen == []
     # An equal but distinct module is not the same key (its array field compares by identity).
-    fel.init_sharded(Holding(model.scale), mesh, KEY, X)
+    fe.init_sharded(Holding(model.scale), mesh, KEY, X)
     assert fel.init_cache_info().misses == 2
     alive = weakref.ref(model)
     del model
@@ -219,7 +219,7 @@ class Scaled(nnx.Module):
 def test_calls_that_cannot_be_keyed_are_not_kept(mesh):
     # An array argument is compared by neither value nor (safely) identity.
     for _ in range(2):
-        fen.init_sharded(Scaled, mesh, 0, jnp.full((16, 8), 2.0))
+        fe.init_sharded(Scaled, mesh, 0, jnp.full((16, 8), 2.0))
     info = fen.init_cache_info()
     assert (info.hits, info.misses, info.currsize) == (0, 2, 0)
 
@@ -227,16 +227,16 @@ def test_calls_that_cannot_be_keyed_are_not_kept(mesh):
 def test_size_is_bounded_least_recently_used_first(mesh, monkeypatch):
     monkeypatch.setattr(_init_cache, "MAXSIZE", 2)
     for width in (8, 16, 8, 24):
-        fel.init_sharded(Mlp(width=width), mesh, KEY, X)
+        fe.init_sharded(Mlp(width=width), mesh, KEY, X)
     info = fel.init_cache_info()
     assert (info.hits, info.misses, info.currsize) == (1, 3, 2)
-    _, seen = traced_or_compiled(lambda: fel.init_sharded(Mlp(width=16), mesh, KEY, X))
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(Mlp(width=16), mesh, KEY, X))
     assert ("compile", "jit(init)") in seen  # 16 was the least recently used, and went
 
 
 def test_errors_are_not_kept(mesh):
     with pytest.raises(fe.ShardingResolutionError):
-        fel.init_sharded(Mlp(width=33), mesh, KEY, X, strict=True)
+        fe.init_sharded(Mlp(width=33), mesh, KEY, X, strict=True)
     assert fel.init_cache_info().currsize == 0
 
 
@@ -246,15 +246,15 @@ def test_declaring_a_class_makes_kept_programs_stale(mesh):
         def __call__(self, x):
             return nn.Dense(32, use_bias=False, name="wi")(x)
 
-    before = fel.init_sharded(Plain(), mesh, KEY, X)
+    before = fe.init_sharded(Plain(), mesh, KEY, X)
     assert before["params"]["wi"]["kernel"].sharding.spec == P(None, None)
-    fel.sharded_module({"wi/kernel": ("hidden_state", "mlp_intermediate")})(Plain)
-    after, seen = traced_or_compiled(lambda: fel.init_sharded(Plain(), mesh, KEY, X))
+    fe.sharded_module({"wi/kernel": ("hidden_state", "mlp_intermediate")})(Plain)
+    after, seen = traced_or_compiled(lambda: fe.init_sharded(Plain(), mesh, KEY, X))
     assert ("compile", "jit(init)") in seen
     assert after["params"]["wi"]["kernel"].sharding.spec == P(("fsdp", "sp"), "tp")
 
 
-@fel.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+@fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
 class ScannedLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -276,8 +276,8 @@ class Scanned(nn.Module):
 
 def test_a_scanned_stack_of_a_decorated_layer_is_kept(mesh):
     # nn.scan subclasses the decorated layer at every trace; that declares nothing new.
-    first = fel.init_sharded(Scanned(), mesh, KEY, X)
-    second, seen = traced_or_compiled(lambda: fel.init_sharded(Scanned(), mesh, KEY, X))
+    first = fe.init_sharded(Scanned(), mesh, KEY, X)
+    second, seen = traced_or_compiled(lambda: fe.init_sharded(Scanned(), mesh, KEY, X))
     assert seen == []
     assert_bit_equal(first, second)
     assert second["params"]["layers"]["Dense_0"]["kernel"].sharding.spec == P(

@@ -68,7 +68,7 @@ LAYER_AXES = {
 
 
 def test_self_param_module_gets_names_and_keeps_values():
-    @fel.sharded_module({"w": ("hidden_state", "mlp_intermediate"), "b": ("mlp_intermediate",)})
+    @fe.sharded_module({"w": ("hidden_state", "mlp_intermediate"), "b": ("mlp_intermediate",)})
     class Decorated(OwnParam):
         pass
 
@@ -81,7 +81,7 @@ def test_self_param_module_gets_names_and_keeps_values():
 
 
 def test_flax_layers_are_covered_without_rewriting_them():
-    decorated = fel.sharded_module(LAYER_AXES)(type("DecoratedLayers", (Layers,), {}))
+    decorated = fe.sharded_module(LAYER_AXES)(type("DecoratedLayers", (Layers,), {}))
     boxed = decorated().init(KEY, X)
     assert names_of(boxed) == {
         "dense": {"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)},
@@ -100,7 +100,7 @@ def test_flax_layers_are_covered_without_rewriting_them():
 
 
 def test_setup_style_module():
-    @fel.sharded_module({"proj/kernel": ("hidden_state", "vocab"), "gain": ("vocab",)})
+    @fe.sharded_module({"proj/kernel": ("hidden_state", "vocab"), "gain": ("vocab",)})
     class SetupModule(nn.Module):
         def setup(self):
             self.proj = nn.Dense(4, use_bias=False)
@@ -133,7 +133,7 @@ def scan_of(body):
 
 
 def test_scan_stack_gets_the_layers_name_on_its_stacked_axis():
-    decorated_body = fel.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})(
+    decorated_body = fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})(
         type("DecoratedBody", (Body,), {})
     )
 
@@ -150,12 +150,12 @@ def test_scan_stack_gets_the_layers_name_on_its_stacked_axis():
     assert kernel.value.shape == (3, 8, 8)
     assert_bit_equal(nn.unbox(variables), Stack(Body).init(KEY, X))
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    plan = fel.plan_sharding(Stack(decorated_body), mesh, KEY, X)
+    plan = fe.plan_sharding(Stack(decorated_body), mesh, KEY, X)
     assert plan["params/stack/wi/kernel"].spec == jax.P(None, ("fsdp", "sp"), "tp")
 
 
 def test_parent_patterns_reach_into_a_scan_with_per_layer_names():
-    @fel.sharded_module({"stack/wi/kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"stack/wi/kernel": ("hidden_state", "mlp_intermediate")})
     class Parent(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -166,13 +166,13 @@ def test_parent_patterns_reach_into_a_scan_with_per_layer_names():
 
 
 def test_innermost_declaration_wins_and_outer_fills_the_rest():
-    @fel.sharded_module({"kernel": ("hidden_state", "vocab")})
+    @fe.sharded_module({"kernel": ("hidden_state", "vocab")})
     class Inner(nn.Module):
         @nn.compact
         def __call__(self, x):
             return nn.Dense(8, name="d")(x)
 
-    @fel.sharded_module({"kernel": ("mlp_intermediate", "hidden_state"), "bias": ("vocab",)})
+    @fe.sharded_module({"kernel": ("mlp_intermediate", "hidden_state"), "bias": ("vocab",)})
     class Outer(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -185,7 +185,7 @@ def test_innermost_declaration_wins_and_outer_fills_the_rest():
 
 
 def test_first_matching_pattern_wins():
-    @fel.sharded_module({"wi/kernel": ("hidden_state", "vocab"), "kernel": ("vocab", None)})
+    @fe.sharded_module({"wi/kernel": ("hidden_state", "vocab"), "kernel": ("vocab", None)})
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -199,7 +199,7 @@ def test_first_matching_pattern_wins():
 def test_flax_native_annotations_are_kept():
     init = nn.initializers.lecun_normal()
 
-    @fel.sharded_module({"kernel": ("vocab", "vocab2"), "b/bias": ("head",)})
+    @fe.sharded_module({"kernel": ("vocab", "vocab2"), "b/bias": ("head",)})
     class Native(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -225,7 +225,7 @@ def test_flax_native_annotations_are_kept():
         "which keep the annotations the model gives them, so it changed nothing. To replace "
     )
     with pytest.warns(fe.ShardingCorrectionWarning, match=re.escape(kept)):
-        plan = fel.plan_sharding(Native(), mesh, KEY, X)
+        plan = fe.plan_sharding(Native(), mesh, KEY, X)
     assert plan["params/Dense_0/kernel"].spec == jax.P(("fsdp", "sp"), "tp")
     assert plan["params/b/kernel"].spec == jax.P("fsdp", "tp")
     assert plan["params/w"].spec == jax.P("tp", ("fsdp", "sp"))
@@ -260,7 +260,7 @@ def test_mixin_class_attribute_and_inheritance():
 
 
 def test_subclass_of_a_decorated_class_is_decorated_too():
-    @fel.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     class Parent(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -285,7 +285,7 @@ def test_keyword_and_top_level_forms():
         def __call__(self, x):
             return nn.Dense(8)(x)
 
-    @fel.sharded_module(patterns=axes)
+    @fe.sharded_module(patterns=axes)
     class B(A):
         pass
 
@@ -302,7 +302,7 @@ def test_keyword_and_top_level_forms():
 
 
 def test_runs_without_a_mesh_and_constraints_are_no_ops():
-    @fel.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     class Constrained(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -315,7 +315,7 @@ def test_runs_without_a_mesh_and_constraints_are_no_ops():
 
 
 def test_rank_mismatch_names_path_shape_and_pattern():
-    @fel.sharded_module({"kernel": ("hidden_state",)})
+    @fe.sharded_module({"kernel": ("hidden_state",)})
     class Wrong(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -329,17 +329,17 @@ def test_rank_mismatch_names_path_shape_and_pattern():
 
 def test_decorating_something_else_fails_clearly():
     with pytest.raises(fe.EscaleTypeError, match=r"flax\.linen\.Module classes"):
-        fel.sharded_module({"kernel": ("hidden_state",)})(object)
+        fe.sharded_module({"kernel": ("hidden_state",)})(object)
     with pytest.raises(fe.EscaleTypeError, match="Flax module classes"):
         fe.sharded_module(int)
     with pytest.raises(fe.EscaleTypeError, match="one logical name"):
-        fel.sharded_module({"kernel": "hidden_state"})(type("Bad", (nn.Module,), {}))
+        fe.sharded_module({"kernel": "hidden_state"})(type("Bad", (nn.Module,), {}))
     with pytest.raises(fe.EscaleError, match="not a valid regular expression"):
-        fel.sharded_module({"kernel(": ("hidden_state",)})(type("Bad2", (nn.Module,), {}))
+        fe.sharded_module({"kernel(": ("hidden_state",)})(type("Bad2", (nn.Module,), {}))
 
 
 def test_unused_pattern_is_reported_and_strict_raises():
-    @fel.sharded_module({"kernel": ("hidden_state", "vocab"), "kernal": ("vocab",)})
+    @fe.sharded_module({"kernel": ("hidden_state", "vocab"), "kernal": ("vocab",)})
     class Typo(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -347,7 +347,7 @@ def test_unused_pattern_is_reported_and_strict_raises():
 
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.warns(fe.ShardingCorrectionWarning, match="pattern 'kernal' matched no parameter"):
-        plan = fel.plan_sharding(Typo(), mesh, KEY, X)
+        plan = fe.plan_sharding(Typo(), mesh, KEY, X)
     assert any("kernal" in note for note in plan.notes)
     with pytest.raises(fe.EscaleError, match="pattern 'kernal' matched no parameter"):
-        fel.plan_sharding(Typo(), mesh, KEY, X, strict=True)
+        fe.plan_sharding(Typo(), mesh, KEY, X, strict=True)

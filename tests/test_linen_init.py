@@ -17,7 +17,7 @@ KEY = jax.random.key(42)
 TOKENS = (jnp.arange(8 * 16).reshape(8, 16) * 7) % 64
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "embed/embedding": ("vocab", "hidden_state"),
         "wi/kernel": ("hidden_state", "mlp_intermediate"),
@@ -78,7 +78,7 @@ def mesh_dims(request):
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_every_parameter_has_its_expected_sharding(mesh_dims, axis_types):
     mesh = fe.create_mesh(mesh_dims, axis_types=axis_types)
-    variables = fel.init_sharded(TinyLm(), mesh, KEY, TOKENS)
+    variables = fe.init_sharded(TinyLm(), mesh, KEY, TOKENS)
     params = flat(variables["params"])
     assert set(params) == set(EXPECTED)
     for path, spec in expected_on(mesh).items():
@@ -96,7 +96,7 @@ def test_every_parameter_has_its_expected_sharding(mesh_dims, axis_types):
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
 def test_values_are_bit_equal_to_unsharded_jit_init(mesh_dims, axis_types):
     mesh = fe.create_mesh(mesh_dims, axis_types=axis_types)
-    sharded = fel.init_sharded(TinyLm(), mesh, KEY, TOKENS)
+    sharded = fe.init_sharded(TinyLm(), mesh, KEY, TOKENS)
     init = jax.jit(lambda key, tokens: nn.unbox(TinyLm().init(key, tokens)))
     reference = init(KEY, TOKENS)
     assert jax.tree.structure(sharded) == jax.tree.structure(reference)
@@ -166,7 +166,7 @@ def test_optimizer_state_follows_parameters_and_zero1_adds_data_axis():
 
 def test_constraints_inside_call_are_in_the_compiled_program():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    variables = fel.init_sharded(TinyLm(), mesh, KEY, TOKENS)
+    variables = fe.init_sharded(TinyLm(), mesh, KEY, TOKENS)
     apply = jax.jit(TinyLm().apply)
     outside = apply.lower(variables, TOKENS).as_text()
     with fe.use_sharding(mesh):
@@ -180,10 +180,10 @@ def test_constraints_inside_call_are_in_the_compiled_program():
 def test_compiled_init_needs_a_device_share_of_the_memory():
     model = TinyLm()
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
-    sharded = fel.lower_init(model, mesh, KEY, TOKENS).compile().memory_analysis()
+    sharded = fe.lower_init(model, mesh, KEY, TOKENS).compile().memory_analysis()
     whole = jax.jit(lambda k, t: nn.unbox(model.init(k, t))).lower(KEY, TOKENS).compile()
     total = whole.memory_analysis().output_size_in_bytes
-    plan = fel.plan_sharding(model, mesh, KEY, TOKENS)
+    plan = fe.plan_sharding(model, mesh, KEY, TOKENS)
     # XLA adds a small table of output pointers to the arrays themselves.
     slack = 8 * len(plan)
     assert plan.nbytes <= total <= plan.nbytes + slack
@@ -195,11 +195,11 @@ def test_compiled_init_needs_a_device_share_of_the_memory():
 def test_rules_from_partition_axis_or_explicit_list():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
     swapped = fe.PartitionAxis(tensor_parallel_axis="fsdp", fully_sharded_data_parallel_axis="tp")
-    plan = fel.plan_sharding(TinyLm(), mesh, KEY, TOKENS, rules=swapped)
+    plan = fe.plan_sharding(TinyLm(), mesh, KEY, TOKENS, rules=swapped)
     assert plan["params/wi/kernel"].spec == P(("tp", "sp"), "fsdp")
     listed = [("hidden_state", "tp"), ("vocab", "fsdp")]
     with pytest.warns(fe.ShardingCorrectionWarning, match="no rule"):
-        variables = fel.init_sharded(TinyLm(), mesh, KEY, TOKENS, rules=listed)
+        variables = fe.init_sharded(TinyLm(), mesh, KEY, TOKENS, rules=listed)
     assert variables["params"]["head"]["kernel"].sharding.spec == P("tp", "fsdp")
     assert variables["params"]["wi"]["kernel"].sharding.spec == P("tp", None)
 
@@ -207,7 +207,7 @@ def test_rules_from_partition_axis_or_explicit_list():
 def test_corrections_are_recorded_and_strict_raises():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
 
-    @fel.sharded_module({"kernel": ("mlp_intermediate", "vocab")})
+    @fe.sharded_module({"kernel": ("mlp_intermediate", "vocab")})
     class Odd(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -217,7 +217,7 @@ def test_corrections_are_recorded_and_strict_raises():
 
     x = jnp.ones((2, 3))
     with pytest.warns(fe.ShardingCorrectionWarning, match=r"'params/w'.*\(6, 3\)"):
-        plan = fel.plan_sharding(Odd(), mesh, KEY, x)
+        plan = fe.plan_sharding(Odd(), mesh, KEY, x)
     # vocab takes tp first; mlp_intermediate's fallback fsdp*sp=4 does not divide 3: passed
     # over, and as no other rule is left the dimension stays whole: a correction.
     assert plan["params/Dense_0/kernel"].spec == P(None, "tp")
@@ -231,13 +231,13 @@ def test_corrections_are_recorded_and_strict_raises():
         ("params/w", "not_divisible"),
     ]
     with pytest.raises(fe.ShardingResolutionError, match=r"'params/Dense_0/kernel'.*\(3, 6\)"):
-        fel.init_sharded(Odd(), mesh, KEY, x, strict=True)
+        fe.init_sharded(Odd(), mesh, KEY, x, strict=True)
 
 
 def test_errors_for_wrong_models():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.raises(fe.EscaleTypeError, match=r"flax\.linen\.Module instance"):
-        fel.init_sharded(TinyLm, mesh, KEY, TOKENS)
+        fe.init_sharded(TinyLm, mesh, KEY, TOKENS)
     with pytest.raises(fe.EscaleTypeError, match=r"flax\.linen\.Module instance"):
         fe.init_sharded(object(), mesh, KEY, TOKENS)
 
@@ -261,7 +261,7 @@ def test_top_level_init_sharded_dispatches_to_linen():
 
 def test_plan_describes_every_parameter():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    text = fel.plan_sharding(TinyLm(), mesh, KEY, TOKENS).describe()
+    text = fe.plan_sharding(TinyLm(), mesh, KEY, TOKENS).describe()
     for path in EXPECTED:
         assert f"params/{path}" in text
     assert "6 arrays on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)" in text
@@ -287,7 +287,7 @@ class FlaxAnnotated(nn.Module):
 def test_flax_annotated_models_work_unchanged(mesh_dims):
     mesh = fe.create_mesh(mesh_dims)
     x = jnp.ones((8, 16))
-    variables = fel.init_sharded(FlaxAnnotated(), mesh, KEY, x)
+    variables = fe.init_sharded(FlaxAnnotated(), mesh, KEY, x)
     params = variables["params"]
     assert params["logical"]["kernel"].sharding.spec == P(HIDDEN, "tp")
     assert params["meshed"]["kernel"].sharding.spec == P("tp", "fsdp")
@@ -308,7 +308,7 @@ def test_values_are_bit_equal_on_auto_and_explicit_meshes(axis_types):
     )
     model = nn.Dense(128, use_bias=False, kernel_init=init)
     x = jnp.ones((2, 64))
-    got = fel.init_sharded(model, mesh, jax.random.key(3), x)["params"]["kernel"]
+    got = fe.init_sharded(model, mesh, jax.random.key(3), x)["params"]["kernel"]
     expected = nn.unbox(jax.jit(model.init)(jax.random.key(3), x))["params"]["kernel"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert got.sharding.mesh == mesh

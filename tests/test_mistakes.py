@@ -222,7 +222,7 @@ CASES = [
     ),
     case(
         lambda: fen.init_optimizer(
-            fen.init_sharded(_Up, fe.create_mesh((1, 4, 1, 2, 1)), 0), TX, shard_over="dp"
+            fe.init_sharded(_Up, fe.create_mesh((1, 4, 1, 2, 1)), 0), TX, shard_over="dp"
         ),
         T,
         "shard_over",
@@ -634,7 +634,7 @@ CASES = [
         id="init_sharded-linen-rng-float",
     ),
     case(
-        lambda: fen.init_sharded(_Up, _mesh(), "0"),
+        lambda: fe.init_sharded(_Up, _mesh(), "0"),
         T,
         "rng",
         "'0'",
@@ -642,7 +642,7 @@ CASES = [
         id="nnx-init_sharded-rng-string",
     ),
     case(
-        lambda: fel.init_sharded(_dense(), _mesh(), None, X),
+        lambda: fe.init_sharded(_dense(), _mesh(), None, X),
         T,
         "rng",
         "None",
@@ -2141,12 +2141,12 @@ CASES = [
         id="PartitionAxis-field-list-with-int",
     ),
     case(
-        lambda: fel.init_sharded(_Up, _mesh5(), jax.random.key(0), X),
+        lambda: fel.init_train_state(_Up, _mesh5(), jax.random.key(0), X, tx=optax.sgd(0.1)),
         T,
         "model",
         "_Up",
-        r"flax_escale\.nnx\.init_sharded",
-        id="linen-init_sharded-nnx-class",
+        r"flax_escale\.nnx\.init_optimizer",
+        id="linen-init_train_state-nnx-class",
     ),
     case(
         lambda: fe.init_sharded("MLP", _mesh5(), 0),
@@ -2165,7 +2165,7 @@ CASES = [
         id="nnx-init_optimizer-model-string",
     ),
     case(
-        lambda: fel.lower_init(_dense(), "dp:8", jax.random.key(0), X),
+        lambda: fe.lower_init(_dense(), "dp:8", jax.random.key(0), X),
         T,
         "mesh",
         "'dp:8'",
@@ -2173,7 +2173,7 @@ CASES = [
         id="linen-lower_init-mesh-string",
     ),
     case(
-        lambda: fen.plan_sharding(_Up, None, 0),
+        lambda: fe.plan_sharding(_Up, None, 0),
         T,
         "mesh",
         "None",
@@ -2197,7 +2197,7 @@ CASES = [
         id="nnx-init_optimizer-tx-none",
     ),
     case(
-        lambda: fel.plan_sharding(_dense(), _mesh5(), jax.random.key(0), X, method=3),
+        lambda: fe.plan_sharding(_dense(), _mesh5(), jax.random.key(0), X, method=3),
         T,
         "method",
         "int 3",
@@ -2205,7 +2205,7 @@ CASES = [
         id="linen-plan_sharding-method-int",
     ),
     case(
-        lambda: fel.init_sharded(_dense(), _mesh5(), jax.random.key(0), X, method="encode"),
+        lambda: fe.init_sharded(_dense(), _mesh5(), jax.random.key(0), X, method="encode"),
         fe.EscaleError,
         "method",
         "'encode'",
@@ -2213,7 +2213,7 @@ CASES = [
         id="linen-init_sharded-method-missing",
     ),
     case(
-        lambda: fel.init_sharded(
+        lambda: fe.init_sharded(
             nn.Dense(
                 8,
                 kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "fsdp")),
@@ -2229,7 +2229,7 @@ CASES = [
         id="linen-with_partitioning-axis-twice",
     ),
     case(
-        lambda: fel.sharded_module(patterns={"kernel": "embed"}),
+        lambda: fe.sharded_module(patterns={"kernel": "embed"}),
         T,
         "patterns",
         "'embed'",

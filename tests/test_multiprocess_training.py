@@ -15,7 +15,7 @@ import flax_escale as fe
 from flax_escale import linen as fel
 
 
-@fel.sharded_module({"wi/kernel": ("hidden_state", "mlp_intermediate"),
+@fe.sharded_module({"wi/kernel": ("hidden_state", "mlp_intermediate"),
                      "wo/kernel": ("mlp_intermediate", "hidden_state")})
 class Mlp(nn.Module):
     @nn.compact

@@ -11,8 +11,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale import linen as fel
-from flax_escale import nnx as fen
 from flax_escale.t5x import Partitioner
 
 KEY = jax.random.key(0)
@@ -37,24 +35,24 @@ def test_linen_init_of_a_kernel_no_rule_divides(fsdp8):
         match=r"parameter 'params/kernel': logical axes \('hidden_state', 'mlp_intermediate'\) "
         r"with shape \(6, 12\) on mesh \{'dp': 1, 'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1\}",
     ):
-        fel.init_sharded(model, fsdp8, KEY, x, strict=True)
+        fe.init_sharded(model, fsdp8, KEY, x, strict=True)
     with pytest.warns(fe.ShardingCorrectionWarning, match=r"size 6 is not divisible"):
-        variables = fel.init_sharded(model, fsdp8, KEY, x)
+        variables = fe.init_sharded(model, fsdp8, KEY, x)
     assert variables["params"]["kernel"].sharding.spec == P(None, None)
 
 
 def test_nnx_init_of_a_kernel_no_rule_divides(fsdp8):
-    @fen.sharded_module({"kernel": ODD})
+    @fe.sharded_module({"kernel": ODD})
     class Odd(nnx.Module):
         def __init__(self, rngs):
             self.w = nnx.Linear(6, 12, use_bias=False, rngs=rngs)
 
     with pytest.raises(fe.ShardingResolutionError, match=r"parameter 'w/kernel'.*\(6, 12\)"):
-        fen.init_sharded(Odd, fsdp8, 0, strict=True)
+        fe.init_sharded(Odd, fsdp8, 0, strict=True)
     with pytest.warns(
         fe.ShardingCorrectionWarning, match=r"(?s)'w/kernel'.*size 6 is not divisible"
     ):
-        module = fen.init_sharded(Odd, fsdp8, 0)
+        module = fe.init_sharded(Odd, fsdp8, 0)
     assert module.w.kernel.get_value().sharding.spec == P(None, None)
 
 

@@ -54,7 +54,7 @@ AXES = {
 
 
 def test_own_variables_and_flax_layers_get_names_and_keep_values():
-    decorated = fen.sharded_module(AXES)(type("DecoratedLayers", (Layers,), {}))
+    decorated = fe.sharded_module(AXES)(type("DecoratedLayers", (Layers,), {}))
     module = decorated(nnx.Rngs(0))
     assert names_of(module) == {
         "w": ("hidden_state", "mlp_intermediate"),
@@ -74,7 +74,7 @@ def test_own_variables_and_flax_layers_get_names_and_keep_values():
 
 @pytest.mark.parametrize("eager", [True, False])
 def test_builds_and_runs_without_a_mesh_whatever_eager_sharding_is(eager):
-    @fen.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     class Up(nnx.Module):
         def __init__(self, rngs):
             self.wi = nnx.Linear(8, 16, rngs=rngs)
@@ -92,7 +92,7 @@ def test_builds_and_runs_without_a_mesh_whatever_eager_sharding_is(eager):
 
 
 def test_vmap_stack_gets_the_layers_name():
-    @fen.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.wi = nnx.Linear(8, 8, rngs=rngs)
@@ -113,12 +113,12 @@ def test_vmap_stack_gets_the_layers_name():
 
 
 def test_innermost_declaration_wins_and_flax_out_sharding_is_kept():
-    @fen.sharded_module({"kernel": ("hidden_state", "vocab")})
+    @fe.sharded_module({"kernel": ("hidden_state", "vocab")})
     class Inner(nnx.Module):
         def __init__(self, rngs):
             self.d = nnx.Linear(8, 8, rngs=rngs)
 
-    @fen.sharded_module({"kernel": ("mlp_intermediate", "hidden_state"), "bias": ("vocab",)})
+    @fe.sharded_module({"kernel": ("mlp_intermediate", "hidden_state"), "bias": ("vocab",)})
     class Outer(nnx.Module):
         def __init__(self, rngs):
             self.inner = Inner(rngs)
@@ -175,7 +175,7 @@ def test_mixin_inheritance_and_subclasses():
 
 
 def test_errors():
-    @fen.sharded_module({"kernel": ("hidden_state",)})
+    @fe.sharded_module({"kernel": ("hidden_state",)})
     class Wrong(nnx.Module):
         def __init__(self, rngs):
             self.d = nnx.Linear(8, 8, rngs=rngs)
@@ -183,20 +183,20 @@ def test_errors():
     with pytest.raises(fe.EscaleError, match=r"'d/kernel' of shape \(8, 8\) matches pattern"):
         Wrong(nnx.Rngs(0))
     with pytest.raises(fe.EscaleTypeError, match=r"flax\.nnx\.Module classes"):
-        fen.sharded_module({"kernel": ("hidden_state",)})(object)
+        fe.sharded_module({"kernel": ("hidden_state",)})(object)
     with pytest.raises(fe.EscaleTypeError, match="one logical name"):
-        fen.sharded_module({"kernel": "hidden_state"})(type("Bad", (nnx.Module,), {}))
+        fe.sharded_module({"kernel": "hidden_state"})(type("Bad", (nnx.Module,), {}))
 
 
 def test_unused_pattern_is_reported_by_the_plan():
-    @fen.sharded_module({"kernel": ("hidden_state", "vocab"), "kernal": ("vocab",)})
+    @fe.sharded_module({"kernel": ("hidden_state", "vocab"), "kernal": ("vocab",)})
     class Typo(nnx.Module):
         def __init__(self, rngs):
             self.d = nnx.Linear(8, 8, use_bias=False, rngs=rngs)
 
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.warns(fe.ShardingCorrectionWarning, match="pattern 'kernal' matched no variable"):
-        plan = fen.plan_sharding(Typo, mesh, 0)
+        plan = fe.plan_sharding(Typo, mesh, 0)
     assert plan["d/kernel"].spec == jax.P(("fsdp", "sp"), None)
     with pytest.raises(fe.EscaleError, match="pattern 'kernal' matched no variable"):
-        fen.plan_sharding(Typo, mesh, 0, strict=True)
+        fe.plan_sharding(Typo, mesh, 0, strict=True)

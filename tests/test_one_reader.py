@@ -14,8 +14,6 @@ from flax.linen import partitioning
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale import linen as fel
-from flax_escale import nnx as fen
 from flax_escale.t5x import AxisNames, Partitioner
 
 UP = ("hidden_state", "mlp_intermediate")
@@ -47,7 +45,7 @@ def linen_mesh_axes():
 
 
 def linen_declared():
-    @fel.sharded_module({"up/kernel": UP, "down/kernel": DOWN})
+    @fe.sharded_module({"up/kernel": UP, "down/kernel": DOWN})
     class Declared(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -86,7 +84,7 @@ def _nnx(up_init, down_init):
 
 
 def nnx_declared():
-    @fen.sharded_module({"up/kernel": UP, "down/kernel": DOWN})
+    @fe.sharded_module({"up/kernel": UP, "down/kernel": DOWN})
     class Declared(nnx.Module):
         def __init__(self, rngs):
             self.up = nnx.Linear(64, 256, use_bias=False, rngs=rngs)
@@ -160,8 +158,8 @@ def test_linen_annotations_agree_everywhere(mesh, build):
     model, key = build(), jax.random.key(0)
     abstract = jax.eval_shape(model.init, key, X)
     results = {
-        "linen.plan_sharding": _by_name(fel.plan_sharding(model, mesh, key, X).specs()),
-        "linen.init_sharded": _by_name(fel.init_sharded(model, mesh, key, X)),
+        "linen.plan_sharding": _by_name(fe.plan_sharding(model, mesh, key, X).specs()),
+        "linen.init_sharded": _by_name(fe.init_sharded(model, mesh, key, X)),
         "init_sharded": _by_name(fe.init_sharded(model, mesh, key, X)),
         **_tree_consumers(abstract, mesh),
     }
@@ -175,8 +173,8 @@ def test_nnx_annotations_agree_everywhere(mesh, build):
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     results = {
-        "nnx.plan_sharding": _by_name(fen.plan_sharding(model, mesh, 0).specs()),
-        "nnx.init_sharded": _by_name(nnx.state(fen.init_sharded(model, mesh, 0))),
+        "nnx.plan_sharding": _by_name(fe.plan_sharding(model, mesh, 0).specs()),
+        "nnx.init_sharded": _by_name(nnx.state(fe.init_sharded(model, mesh, 0))),
         "init_sharded": _by_name(nnx.state(fe.init_sharded(model, mesh, 0))),
         **_tree_consumers(abstract, mesh),
         "abstract state": _tree_consumers(nnx.state(abstract), mesh)["sharding_report"],

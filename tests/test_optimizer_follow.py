@@ -289,6 +289,7 @@ SQUARE_EXPECTED = {"v_row": P("tp"), "v_col": P(("fsdp", "sp"))}
 def test_square_kernel_statistics_in_every_front_end(devices):
     import flax.linen as nn
 
+    import flax_escale as fe
     from flax_escale import linen as fel
     from flax_escale import nnx as fen
     from flax_escale.t5x import Partitioner
@@ -303,12 +304,12 @@ def test_square_kernel_statistics_in_every_front_end(devices):
     state = fel.init_train_state(dense, mesh, jax.random.key(0), x, tx=SQUARE_TX)
     assert _square_specs(state.opt_state) == SQUARE_EXPECTED
 
-    @fen.sharded_module({"kernel": SQUARE_NAMES})
+    @fe.sharded_module({"kernel": SQUARE_NAMES})
     class Square(nnx.Module):
         def __init__(self, rngs):
             self.w = nnx.Linear(16, 16, use_bias=False, rngs=rngs)
 
-    optimizer = fen.init_optimizer(fen.init_sharded(Square, mesh, 0), SQUARE_TX)
+    optimizer = fen.init_optimizer(fe.init_sharded(Square, mesh, 0), SQUARE_TX)
     assert _square_specs(nnx.state(optimizer)) == SQUARE_EXPECTED
 
     from flax.training.train_state import TrainState

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale import nnx as fen
 
 KEY = jax.random.key(0)
 X = jnp.ones((2, 16))
@@ -162,7 +161,7 @@ def test_nnx_overrides_replace_out_sharding_and_reach_the_variables_metadata():
 
 
 def test_nnx_pattern_on_a_variable_with_its_own_out_sharding_says_so():
-    @fen.sharded_module({"up/kernel": ("hidden_state", "mlp_intermediate")})
+    @fe.sharded_module({"up/kernel": ("hidden_state", "mlp_intermediate")})
     class Decorated(NnxThirdParty):
         pass
 

@@ -15,14 +15,13 @@ from jax.sharding import PartitionSpec as P
 from lowered import sharding_constraints
 
 import flax_escale as fe
-from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.t5x import AxisNames, DataLayout, Partitioner, standard_logical_axis_rules
 
 HIDDEN = ("fsdp", "sp")
 
 
-@fel.sharded_module(
+@fe.sharded_module(
     {
         "wi/kernel": ("hidden_state", "mlp_intermediate"),
         "wo/kernel": ("mlp_intermediate", "hidden_state"),
@@ -38,7 +37,7 @@ class Mlp(nn.Module):
         return nn.Dense(x.shape[-1], use_bias=False, name="wo")(h)
 
 
-@fen.sharded_module(
+@fe.sharded_module(
     {"wi/kernel": ("hidden_state", "mlp_intermediate"), "wo/kernel": ("mlp_intermediate", None)}
 )
 class NnxMlp(nnx.Module):
@@ -305,7 +304,7 @@ def test_mesh_axis_annotations_and_plain_arrays(partitioner):
 
 
 def test_nnx_model_and_optimizer(partitioner):
-    model = fen.init_sharded(NnxMlp, partitioner.mesh, 0)
+    model = fe.init_sharded(NnxMlp, partitioner.mesh, 0)
     optimizer = fen.init_optimizer(model, optax.adafactor(1e-3, min_dim_size_to_factor=4))
     axes = partitioner.get_logical_axes((model, optimizer))
     assert axes[0]["wi"]["kernel"] == AxisNames("hidden_state", "mlp_intermediate")

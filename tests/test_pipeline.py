@@ -79,9 +79,7 @@ def _twice(counts):
     return {key: n for key, n in counts.items() if n > 1}
 
 
-@pytest.mark.parametrize(
-    "entry", [fe.plan_sharding, fe.init_sharded, fe.lower_init, fe.nnx.init_sharded]
-)
+@pytest.mark.parametrize("entry", [fe.plan_sharding, fe.init_sharded, fe.lower_init])
 def test_an_nnx_entry_point_checks_each_argument_once(checks, mesh, entry):
     entry(Up, mesh, 0)
     assert checks["mesh", "mesh"] == 1
@@ -90,9 +88,7 @@ def test_an_nnx_entry_point_checks_each_argument_once(checks, mesh, entry):
     assert _twice(checks) == {}
 
 
-@pytest.mark.parametrize(
-    "entry", [fe.plan_sharding, fe.init_sharded, fe.lower_init, fe.linen.lower_init]
-)
+@pytest.mark.parametrize("entry", [fe.plan_sharding, fe.init_sharded, fe.lower_init])
 def test_a_linen_entry_point_checks_each_argument_once(checks, mesh, entry):
     entry(LinenUp(), mesh, jax.random.key(0), jnp.ones((2, 8)))
     assert checks["mesh", "mesh"] == 1

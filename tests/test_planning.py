@@ -190,7 +190,7 @@ class Cases:
                 )
             else:
                 init = fe.lower_init(example.Llama, mesh, 0, config).compile()
-                model = fen.init_sharded(example.Llama, mesh, 0, config)
+                model = fe.init_sharded(example.Llama, mesh, 0, config)
                 optimizer = fen.init_optimizer(model, workload.tx)
                 graphdef, state = nnx.split((model, optimizer))
 

@@ -52,12 +52,8 @@ EXPECTED = {
         "ShardedMixin",
         "clear_init_cache",
         "init_cache_info",
-        "init_sharded",
         "init_train_state",
         "jit_train_step",
-        "lower_init",
-        "plan_sharding",
-        "sharded_module",
     ],
     "flax_escale.nnx": [
         "LOGICAL_AXES",
@@ -65,10 +61,6 @@ EXPECTED = {
         "clear_init_cache",
         "init_cache_info",
         "init_optimizer",
-        "init_sharded",
-        "lower_init",
-        "plan_sharding",
-        "sharded_module",
         "stack_layers",
         "stacked",
     ],
@@ -272,17 +264,10 @@ def test_package_is_typed():
 
 # --- one object per name, and the compatibility vocabularies only in their namespaces ---------
 
-# The namespaces of flax_escale.linen and flax_escale.nnx hold the API-specific form of these
-# front-end entry points, and the top level the one that dispatches on the model's API (as
-# flax.linen.Module and flax.nnx.Module are two classes); between any other two namespaces a
-# name is one object.
-FRONT_END_SPECIFIC = {
-    "ShardedMixin",
-    "init_sharded",
-    "lower_init",
-    "plan_sharding",
-    "sharded_module",
-}
+# One entry point serves both Flax APIs (plan_sharding, init_sharded, lower_init,
+# sharded_module are the top level's, once). Each API's mixin is its own class, as
+# flax.linen.Module and flax.nnx.Module are two classes; every other name is one object.
+FRONT_END_SPECIFIC = {"ShardedMixin"}
 
 
 def test_a_name_is_the_same_object_in_every_namespace():
@@ -342,18 +327,29 @@ MOVED = [
     "flax_escale.eformer.create_pattern_based_partition_spec",
     "flax_escale.sharding.auto_partition_spec -> flax_escale.sharding.spec_from_shape",
     "flax_escale.sharding.match_partition_rules -> flax_escale.sharding.specs_from_regex",
+    *(
+        f"flax_escale.{api}.{name} -> flax_escale.{name}"
+        for api in ("linen", "nnx")
+        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
+    ),
 ]
 
 
+COMPAT_PACKAGES = ("flax_escale.t5x", "flax_escale.eformer")
+
 # t5x's and eformer's vocabularies: every name that moved out of the core (the core's renamed
-# functions included: their old names were eformer's), and the compatibility-only ones.
-COMPAT_VOCABULARY = {move.split(" -> ")[0].rpartition(".")[2] for move in MOVED} | {
+# functions included: their old names were eformer's), and the compatibility-only ones; not
+# the front ends' entry points, which moved up to the top level.
+COMPAT_VOCABULARY = {
+    move.split(" -> ")[0].rpartition(".")[2]
+    for move in MOVED
+    if not move.startswith(("flax_escale.linen.", "flax_escale.nnx."))
+} | {
     "PartitionManager",
     "extract_sharding_structure",
     "get_shardings_with_structure",
     "process_blocks",
 }
-COMPAT_PACKAGES = ("flax_escale.t5x", "flax_escale.eformer")
 
 
 def _core_modules() -> list[types.ModuleType]:

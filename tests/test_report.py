@@ -13,11 +13,10 @@ from rich.console import Console
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale import nnx as fen
 from flax_escale.sharding._plan import format_bytes
 
 
-@fen.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
+@fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
 class Up(nnx.Module):
     def __init__(self, rngs):
         self.wi = nnx.Linear(64, 256, rngs=rngs)
@@ -31,7 +30,7 @@ def render(report):
 
 def test_report_of_a_plan_lists_every_array_with_figures():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    plan = fen.plan_sharding(Up, mesh, 0)
+    plan = fe.plan_sharding(Up, mesh, 0)
     console = Console(file=io.StringIO(), width=200)
     report = fe.sharding_report(plan, console=console)
     text = console.file.getvalue()
@@ -48,7 +47,7 @@ def test_report_of_a_plan_lists_every_array_with_figures():
 
 def test_report_of_live_models_and_trees():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    model = fen.init_sharded(Up, mesh, 0)
+    model = fe.init_sharded(Up, mesh, 0)
     report = fe.sharding_report(model, show=False)
     assert {r["path"] for r in report.rows()} == {"wi/kernel", "wi/bias"}
     assert report.plan.mesh == mesh

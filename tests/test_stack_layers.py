@@ -46,8 +46,8 @@ def _vmapped(llama):
 def test_values_specs_and_metadata_equal_an_nnx_vmap_stack(llama):
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
     config = llama.Config()
-    looped = nnx.state(fen.init_sharded(llama.Llama, mesh, 0, config))
-    vmapped = nnx.state(fen.init_sharded(_vmapped(llama), mesh, 0, config))
+    looped = nnx.state(fe.init_sharded(llama.Llama, mesh, 0, config))
+    vmapped = nnx.state(fe.init_sharded(_vmapped(llama), mesh, 0, config))
     assert jax.tree.structure(looped) == jax.tree.structure(vmapped)
     for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(vmapped), strict=True):
         assert a.sharding == b.sharding
@@ -63,8 +63,8 @@ def test_the_cpu_init_draws_one_layer_at_a_time(llama):
         vocab=256, hidden=512, heads=8, kv_heads=4, head_dim=64, mlp=2048, layers=16
     )
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
-    looped = fen.lower_init(llama.Llama, mesh, 0, config).compile().memory_analysis()
-    vmapped = fen.lower_init(_vmapped(llama), mesh, 0, config).compile().memory_analysis()
+    looped = fe.lower_init(llama.Llama, mesh, 0, config).compile().memory_analysis()
+    vmapped = fe.lower_init(_vmapped(llama), mesh, 0, config).compile().memory_analysis()
     outputs = looped.output_size_in_bytes
     assert vmapped.output_size_in_bytes == outputs
     assert outputs + looped.temp_size_in_bytes <= 1.25 * outputs

@@ -41,13 +41,13 @@ class Mlp(nn.Module):
         return nn.Dense(x.shape[-1], name="wo")(h)
 
 
-Annotated = fel.sharded_module(AXES)(type("Annotated", (Mlp,), {}))
-Partial = fel.sharded_module({k: v for k, v in AXES.items() if k.endswith("kernel")})(
+Annotated = fe.sharded_module(AXES)(type("Annotated", (Mlp,), {}))
+Partial = fe.sharded_module({k: v for k, v in AXES.items() if k.endswith("kernel")})(
     type("Partial", (Mlp,), {})
 )
 
 
-@fen.sharded_module(AXES)
+@fe.sharded_module(AXES)
 class NnxMlp(nnx.Module):
     def __init__(self, rngs):
         self.wi = nnx.Linear(16, 32, rngs=rngs)
@@ -107,7 +107,7 @@ def test_linen_train_state_compiles_once_where_an_int_step_compiled_twice(mesh, 
 
 
 def test_nnx_model_and_optimizer_compile_once(mesh, batch):
-    model = fen.init_sharded(NnxMlp, mesh, 0)
+    model = fe.init_sharded(NnxMlp, mesh, 0)
     optimizer = fen.init_optimizer(model, optax.adam(1e-2))
     assert optimizer.step.get_value().sharding == NamedSharding(mesh, P())
 

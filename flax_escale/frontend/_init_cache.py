@@ -146,7 +146,8 @@ def init_cache_info() -> InitCacheInfo:
         >>> import jax
         >>> import jax.numpy as jnp
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.linen import clear_init_cache, init_cache_info, init_sharded
+        >>> from flax_escale import init_sharded
+        >>> from flax_escale.linen import clear_init_cache, init_cache_info
         >>> clear_init_cache()
         >>> mesh = create_mesh((1, 8, 1, 1, 1))
         >>> for seed in range(3):

@@ -4,8 +4,7 @@ Example:
     >>> import flax.linen as nn
     >>> import jax
     >>> import jax.numpy as jnp
-    >>> from flax_escale import create_mesh
-    >>> from flax_escale.linen import init_sharded, sharded_module
+    >>> from flax_escale import create_mesh, init_sharded, sharded_module
     >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     ... class Up(nn.Module):
     ...     @nn.compact
@@ -17,19 +16,26 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale._moved import moved_names as _moved_names
 from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
-from flax_escale.linen._annotate import ShardedMixin, sharded_module
-from flax_escale.linen._init import init_sharded, init_train_state, lower_init, plan_sharding
+from flax_escale.linen._annotate import ShardedMixin
+from flax_escale.linen._init import init_train_state
 from flax_escale.linen._train import jit_train_step
 
 __all__ = [
     "ShardedMixin",
     "clear_init_cache",
     "init_cache_info",
-    "init_sharded",
     "init_train_state",
     "jit_train_step",
-    "lower_init",
-    "plan_sharding",
-    "sharded_module",
 ]
+
+# One entry point serves both Flax APIs (it tells them apart by the model); the Linen-only
+# copies work for one more release, with a DeprecationWarning.
+__getattr__ = _moved_names(
+    __name__,
+    {
+        name: f"flax_escale.{name}; it takes Linen and NNX models alike"
+        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
+    },
+)

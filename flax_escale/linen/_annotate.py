@@ -204,7 +204,7 @@ def _initializing(module: nn.Module) -> bool:
 def _install(cls: type[nn.Module], patterns: Mapping[str, Sequence[str | None]] | None) -> None:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise EscaleTypeError(
-            f"flax_escale.linen.sharded_module decorates flax.linen.Module classes, got {cls!r}."
+            f"flax_escale.sharded_module decorates flax.linen.Module classes, got {cls!r}."
         )
     record(cls, patterns, _PATTERNS)
     for name in dir(cls):
@@ -271,7 +271,7 @@ def sharded_module(
         >>> import flax.linen as nn
         >>> import jax
         >>> import jax.numpy as jnp
-        >>> from flax_escale.linen import sharded_module
+        >>> from flax_escale import sharded_module
         >>> @sharded_module({"kernel": ("hidden_state", "vocab"), "bias": ("vocab",)})
         ... class Head(nn.Module):
         ...     @nn.compact

@@ -30,108 +30,7 @@ from flax_escale.sharding._paths import is_box
 from flax_escale.sharding._paths import unbox as unbox_leaf
 from flax_escale.sharding._plan import USE_IDLE_AXES
 
-__all__ = ["init_sharded", "init_train_state", "lower_init", "plan_sharding"]
-
-
-def plan_sharding(
-    model: nn.Module,
-    mesh: Mesh,
-    rng: Any,
-    *inputs: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    method: Callable[..., Any] | str | None = None,
-    **init_kwargs: Any,
-) -> ShardingPlan:
-    """The sharding every variable of ``model.init(rng, *inputs)`` gets, without running it.
-
-    :func:`flax_escale.plan_sharding` for a Linen model, where the arguments are described;
-    ``model.init`` is traced under ``mesh`` and ``rules``, so logical constraints inside see
-    them.
-
-    Args:
-        model: The Linen module instance.
-        mesh: The mesh.
-        rng: A key or a dict of keys, as ``model.init`` takes.
-        *inputs: Example inputs for ``model.init``.
-        rules: The logical-axis rules.
-        strict: Raise instead of correcting.
-        overrides: ``{path pattern: logical axes}`` that replace the annotations of the
-            variables they match, the model's own included.
-        use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
-        method: Passed to ``model.init``.
-        **init_kwargs: Passed to ``model.init``.
-    """
-    return pipeline.plan(
-        _request(
-            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
-        )
-    )[1]
-
-
-def init_sharded(
-    model: nn.Module,
-    mesh: Mesh,
-    rng: Any,
-    *inputs: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    method: Callable[..., Any] | str | None = None,
-    **init_kwargs: Any,
-) -> dict[str, Any]:
-    """``model.init(rng, *inputs)``, with every variable created directly in its sharding.
-
-    :func:`flax_escale.init_sharded` for a Linen model (arguments as :func:`plan_sharding`).
-    Annotation boxes are removed: every leaf is a plain ``jax.Array`` with a
-    ``NamedSharding``. The compiled initializer is kept: the same model (by ``==``) on the
-    same mesh, with inputs of the same shapes, dtypes and shardings and the same options,
-    runs again without tracing or compiling (:func:`init_cache_info` tells hits and times).
-
-    Example:
-        >>> import flax.linen as nn
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.linen import init_sharded
-        >>> model = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
-        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-        >>> mesh = create_mesh((1, 4, 1, 2, 1))
-        >>> variables = init_sharded(model, mesh, jax.random.key(0), jnp.ones((2, 8)))
-        >>> variables["params"]["kernel"].sharding.spec
-        P(('fsdp', 'sp'), 'tp')
-    """
-    return pipeline.init(
-        _request(
-            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
-        )
-    )
-
-
-def lower_init(
-    model: nn.Module,
-    mesh: Mesh,
-    rng: Any,
-    *inputs: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    method: Callable[..., Any] | str | None = None,
-    **init_kwargs: Any,
-) -> jax.stages.Lowered:
-    """The sharded initializer :func:`init_sharded` runs, lowered: :func:`flax_escale.lower_init`.
-
-    Arguments are :func:`plan_sharding`'s.
-    """
-    return pipeline.lower(
-        _request(
-            model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
-        )
-    )[2]
+__all__ = ["FRONT_END", "LinenFrontEnd", "init_train_state"]
 
 
 def init_train_state(
@@ -293,7 +192,7 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise EscaleTypeError(
             f"model must be a flax.linen.Module instance, got {model!r}; for an NNX model use "
-            "flax_escale.nnx.init_sharded (or flax_escale.init_sharded, which dispatches)."
+            "flax_escale.init_sharded and flax_escale.nnx.init_optimizer."
         )
 
 

@@ -2,8 +2,7 @@
 
 Example:
     >>> from flax import nnx
-    >>> from flax_escale import create_mesh
-    >>> from flax_escale.nnx import init_sharded, sharded_module
+    >>> from flax_escale import create_mesh, init_sharded, sharded_module
     >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
     ... class Up(nnx.Module):
     ...     def __init__(self, rngs):
@@ -13,9 +12,10 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale._moved import moved_names as _moved_names
 from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
-from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, sharded_module, stacked
-from flax_escale.nnx._init import init_optimizer, init_sharded, lower_init, plan_sharding
+from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, stacked
+from flax_escale.nnx._init import init_optimizer
 from flax_escale.nnx._stack import stack_layers
 
 __all__ = [
@@ -24,10 +24,16 @@ __all__ = [
     "clear_init_cache",
     "init_cache_info",
     "init_optimizer",
-    "init_sharded",
-    "lower_init",
-    "plan_sharding",
-    "sharded_module",
     "stack_layers",
     "stacked",
 ]
+
+# One entry point serves both Flax APIs (it tells them apart by the model); the NNX-only
+# copies work for one more release, with a DeprecationWarning.
+__getattr__ = _moved_names(
+    __name__,
+    {
+        name: f"flax_escale.{name}; it takes Linen and NNX models alike"
+        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
+    },
+)

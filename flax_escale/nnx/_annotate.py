@@ -129,7 +129,7 @@ def _annotating_init(init: Callable[..., None]) -> Callable[..., None]:
 def _install(cls: type, patterns: Mapping[str, Sequence[str | None]] | None) -> None:
     if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
         raise EscaleTypeError(
-            f"flax_escale.nnx.sharded_module decorates flax.nnx.Module classes, got {cls!r}."
+            f"flax_escale.sharded_module decorates flax.nnx.Module classes, got {cls!r}."
         )
     record(cls, patterns, _PATTERNS)
     if not hasattr(cls.__init__, _WRAPPED):
@@ -182,7 +182,7 @@ def sharded_module(
 
     Example:
         >>> from flax import nnx
-        >>> from flax_escale.nnx import sharded_module
+        >>> from flax_escale import sharded_module
         >>> @sharded_module({"kernel": ("hidden_state", "vocab"), "bias": ("vocab",)})
         ... class Head(nnx.Module):
         ...     def __init__(self, rngs):

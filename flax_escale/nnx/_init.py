@@ -20,103 +20,8 @@ from flax_escale.resolve import RulesLike
 from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves
 from flax_escale.sharding._optimizer import follow_shardings
 from flax_escale.sharding._paths import flatten_with_paths
-from flax_escale.sharding._plan import USE_IDLE_AXES
 
-__all__ = ["init_optimizer", "init_sharded", "lower_init", "plan_sharding"]
-
-
-def plan_sharding(
-    model: Callable[..., nnx.Module],
-    mesh: Mesh,
-    rng: Any,
-    *args: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    **kwargs: Any,
-) -> ShardingPlan:
-    """The sharding of every variable ``model(*args, rngs=..., **kwargs)`` would build.
-
-    :func:`flax_escale.plan_sharding` for an NNX model, where the arguments are described. The
-    constructor is only traced (``nnx.eval_shape``), with Flax's eager sharding off and no
-    mesh set, so Flax's own lookup never runs on the library's rules; ``out_sharding`` names
-    that no rule mentions but that are mesh axes stand for themselves, as in Flax.
-
-    Args:
-        model: A module class, or any callable taking ``rngs=`` and returning a module.
-        mesh: The mesh.
-        rng: An ``int`` seed, a key, or a dict of them by stream name, for ``nnx.Rngs``.
-        *args: Constructor arguments.
-        rules: The logical-axis rules.
-        strict: Raise instead of correcting.
-        overrides: ``{path pattern: logical axes}`` that replace the annotations of the
-            variables they match (paths as ``blocks/0/kernel``), the model's own included.
-        use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
-        **kwargs: Constructor keyword arguments.
-    """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.plan(request)[1]
-
-
-def init_sharded(
-    model: Callable[..., nnx.Module],
-    mesh: Mesh,
-    rng: Any,
-    *args: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    **kwargs: Any,
-) -> nnx.Module:
-    """Builds ``model(*args, rngs=nnx.Rngs(rng), **kwargs)`` with every variable born sharded.
-
-    :func:`flax_escale.init_sharded` for an NNX model (arguments as :func:`plan_sharding`).
-    Each variable's ``out_sharding`` metadata is set to its resolved mesh spec (its logical
-    names stay in ``logical_axes``; an unsharded dimension keeps its logical name there, sent
-    to ``None`` by the variable's ``sharding_rules``, so ``nnx.scan`` finds its ``layers``
-    axis), and NNX's own ``nnx.get_partition_spec``, later ``nnx.jit`` / ``jax.jit`` steps and
-    eagerly sharded copies (optimizer state) all see the resolved sharding. The compiled
-    constructor is kept: the same class or callable with the same arguments (by ``==``) on the
-    same mesh, with keys of the same kind and the same options, runs again without tracing or
-    compiling (:func:`init_cache_info` tells hits and times).
-
-    Example:
-        >>> from flax import nnx
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.nnx import init_sharded, sharded_module
-        >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
-        ... class Up(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.wi = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
-        >>> up = init_sharded(Up, create_mesh((1, 4, 1, 2, 1)), 0)
-        >>> up.wi.kernel.get_value().sharding.spec, up.wi.kernel.get_metadata("out_sharding")
-        (P(('fsdp', 'sp'), 'tp'), (('fsdp', 'sp'), 'tp'))
-        >>> nnx.get_partition_spec(nnx.state(up))["wi"]["kernel"].get_value()
-        P(('fsdp', 'sp'), 'tp')
-    """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.init(request)
-
-
-def lower_init(
-    model: Callable[..., nnx.Module],
-    mesh: Mesh,
-    rng: Any,
-    *args: Any,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    **kwargs: Any,
-) -> jax.stages.Lowered:
-    """The sharded constructor :func:`init_sharded` runs, lowered: :func:`flax_escale.lower_init`.
-
-    Arguments are :func:`plan_sharding`'s.
-    """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.lower(request)[2]
+__all__ = ["FRONT_END", "NnxFrontEnd", "OptimizerLayout", "init_optimizer", "optimizer_layout"]
 
 
 def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
@@ -165,7 +70,8 @@ def init_optimizer(
         >>> import optax
         >>> from flax import nnx
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.nnx import init_optimizer, init_sharded, sharded_module
+        >>> from flax_escale import init_sharded, sharded_module
+        >>> from flax_escale.nnx import init_optimizer
         >>> mesh = create_mesh((2, 4, 1, 1, 1))
         >>> @sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
         ... class Up(nnx.Module):
@@ -223,7 +129,7 @@ def optimizer_layout(
         if not isinstance(sharding, NamedSharding):
             raise EscaleTypeError(
                 f"variable {path!r} is not sharded with a NamedSharding ({sharding!r}); build "
-                "the model with flax_escale.nnx.init_sharded first."
+                "the model with flax_escale.init_sharded first."
             )
         tracked.append((path, variable.get_value().shape, sharding))
     meshes = {sharding.mesh for _, _, sharding in tracked}
@@ -253,8 +159,7 @@ class NnxFrontEnd:
         del method  # Linen's; NNX entry points have none
         if not callable(model) or isinstance(model, nnx.Module):
             raise EscaleTypeError(
-                f"model must be an NNX module class or a callable taking rngs=, got {model!r}; "
-                "for a Linen module use flax_escale.linen.init_sharded."
+                f"model must be an NNX module class or a callable taking rngs=, got {model!r}."
             )
         return pipeline.ModelCall(model, _as_keys(rng), args, kwargs)
 
@@ -291,17 +196,6 @@ class NnxFrontEnd:
 
 
 FRONT_END = NnxFrontEnd()
-
-
-def abstract_module(model: Any, rng: Any, args: tuple = (), kwargs: Any = None) -> nnx.Module:
-    """The module ``model(*args, rngs=..., **kwargs)`` builds, traced only (no mesh needed).
-
-    Raises:
-        EscaleTypeError: If ``model`` does not build an NNX module or ``rng`` is no key or seed.
-    """
-    check.rng(rng)
-    call = FRONT_END.check(model, rng, args, dict(kwargs or {}), None)
-    return FRONT_END.trace(call).abstract
 
 
 def _request(

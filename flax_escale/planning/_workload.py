@@ -17,9 +17,9 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale._data import batch_sharding
-from flax_escale._dispatch import front_end
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.frontend import _pipeline as pipeline
+from flax_escale.frontend._entry import front_end
 from flax_escale.frontend._options import InitOptions
 from flax_escale.frontend._overrides import Overrides
 from flax_escale.linen import _init as linen_init

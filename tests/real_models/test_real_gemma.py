@@ -3,7 +3,7 @@
 The example builds its mesh with ``jax.make_mesh`` (Explicit axes) and names mesh axes directly
 in ``out_sharding`` metadata and in each projection's ``out_sharding=`` argument; its
 ``ShardingConfig.fsdp_tp_sharding()`` defaults to the axis names ``fsdp`` and ``tp``, which
-are the library's. The model is built with ``fen.init_sharded`` on Explicit versions of the
+are the library's. The model is built with ``fe.init_sharded`` on Explicit versions of the
 three meshes, with no rules at all: its own annotations decide. Training runs under
 ``fe.use_sharding`` with the batch placed by the library's data helpers.
 
@@ -114,7 +114,7 @@ def sharded(mesh_name):
         compiled = fe.lower_init(gm.Transformer, auto, KEY, CONFIG).compile()
         result["memory"] = compiled.memory_analysis()
         result["auto"] = nnx.to_pure_dict(compiled(KEY))
-    model = fen.init_sharded(gm.Transformer, mesh, KEY, CONFIG)
+    model = fe.init_sharded(gm.Transformer, mesh, KEY, CONFIG)
     result["initial"] = values(model)
     optimizer = fen.init_optimizer(model, TX, wrt=nnx.Param)
     result["opt_state"] = nnx.to_pure_dict(nnx.state(optimizer, nnx.optimizer.OptState))
@@ -129,7 +129,7 @@ def sharded(mesh_name):
 
 def test_the_models_own_annotations_decide_on_every_mesh():
     for mesh_name in MESHES:
-        plan = fen.plan_sharding(gm.Transformer, explicit_mesh(mesh_name), KEY, CONFIG)
+        plan = fe.plan_sharding(gm.Transformer, explicit_mesh(mesh_name), KEY, CONFIG)
         assert plan.corrections == ()
         # Only qk-norm scales carry no out_sharding in the example (they stay replicated).
         assert all(
@@ -145,13 +145,13 @@ def test_the_models_own_annotations_decide_on_every_mesh():
         assert plan[f"{block}/mlp/down_proj/kernel"].spec == SHD.ffw_weight_fd
         assert plan[f"{block}/pre_ffw_norm/scale"].spec == SHD.rms_norm_weight
         # The same plan on the Auto mesh of the same shape.
-        auto = fen.plan_sharding(gm.Transformer, fe.create_mesh(MESHES[mesh_name]), KEY, CONFIG)
+        auto = fe.plan_sharding(gm.Transformer, fe.create_mesh(MESHES[mesh_name]), KEY, CONFIG)
         assert [e.spec for e in auto] == [e.spec for e in plan]
 
 
 def test_the_fused_qkv_path_is_annotated_too():
     config = gm.small_config(SHD, num_kv_heads=4)
-    plan = fen.plan_sharding(gm.Transformer, explicit_mesh("fsdp4_tp2"), KEY, config)
+    plan = fe.plan_sharding(gm.Transformer, explicit_mesh("fsdp4_tp2"), KEY, config)
     assert plan["layers/1/attn/qkv_einsum/kernel"].spec == SHD.qkv_weight_cndh
     assert plan["layers/1/attn/qkv_einsum/kernel"].shape == (3, 4, 64, 16)
 

@@ -19,8 +19,10 @@ from jax.sharding import Mesh
 from flax_escale.errors import EscaleTypeError
 from flax_escale.frontend import _pipeline as pipeline
 from flax_escale.frontend._overrides import Overrides
+from flax_escale.frontend._patterns import AxesPatterns
 from flax_escale.linen import _annotate as linen_annotate
 from flax_escale.linen import _init as linen_init
+from flax_escale.mesh import _validate as check
 from flax_escale.nnx import _annotate as nnx_annotate
 from flax_escale.nnx import _init as nnx_init
 from flax_escale.resolve import RulesLike
@@ -44,8 +46,8 @@ def sharded_module(
     decorated class are decorated too (their own ``patterns`` extend the parent's). Values
     are untouched: only the names are attached, which :func:`init_sharded` then resolves.
 
-    The class goes to :func:`flax_escale.linen.sharded_module` (a ``flax.linen.Module``) or
-    :func:`flax_escale.nnx.sharded_module` (a ``flax.nnx.Module``).
+    The class goes to :func:`flax_escale.sharded_module` (a ``flax.linen.Module``) or
+    :func:`flax_escale.sharded_module` (a ``flax.nnx.Module``).
 
     Raises:
         EscaleTypeError: If the class is not a Flax module class.
@@ -65,14 +67,17 @@ def sharded_module(
     """
     if cls is None or isinstance(cls, Mapping):
         declared = cls if patterns is None else patterns
+        # Checked now, so that a malformed mapping is refused at the call, not when (or if)
+        # the decorator is applied to a class.
+        AxesPatterns.compile("sharded_module patterns", declared)
         return lambda target: sharded_module(target, patterns=declared)
     if isinstance(cls, type) and issubclass(cls, nn.Module):
         return linen_annotate.sharded_module(cls, patterns=patterns)
     if isinstance(cls, type) and issubclass(cls, nnx.Module):
         return nnx_annotate.sharded_module(cls, patterns=patterns)
     raise EscaleTypeError(
-        "sharded_module decorates Flax module classes (flax.linen.Module or flax.nnx.Module), "
-        f"got {cls!r}."
+        "sharded_module decorates Flax module classes: flax.linen.Module classes or "
+        f"flax.nnx.Module classes, got {cls!r}."
     )
 
 
@@ -240,8 +245,8 @@ def front_end(model: Any) -> pipeline.FrontEnd:
     if callable(model) and not isinstance(model, nnx.Module):
         return nnx_init.FRONT_END
     raise EscaleTypeError(
-        "model must be a flax.linen.Module instance, or an NNX module class (or a callable "
-        f"taking rngs=) that builds the module, got {model!r}."
+        "model must be a flax.linen.Module instance, or an NNX module class or a callable "
+        f"taking rngs= that builds the module, got {check.describe(model)}."
     )
 
 
