@@ -1,9 +1,12 @@
-"""What both front ends share: declaring parameters' logical axes on module classes.
+"""What both front ends share: declaring logical axes, and the one init pipeline.
 
-``flax_escale.linen`` and ``flax_escale.nnx`` each hook their Flax API; the patterns a
+``flax_escale.linen`` and ``flax_escale.nnx`` each implement the pipeline's
+:class:`~flax_escale.frontend._pipeline.FrontEnd` protocol for their Flax API (tracing, the
+initializer, the finish). The rest is the same for both and lives here: the patterns a
 ``sharded_module`` declaration holds, the three ways of declaring (decorator with a mapping,
-bare decorator with a ``logical_axes`` class attribute, mixin) and the inheritance of
-declarations are the same for both and live here.
+bare decorator with a ``patterns`` class attribute, mixin), the inheritance of declarations,
+``overrides=``, the options every entry point takes (:class:`InitOptions`) and the entry points
+themselves.
 """
 
 from flax_escale.frontend._declare import DeclaringMixin, Install, declare, record

@@ -2,10 +2,9 @@
 
 The usual NNX stack, ``nnx.vmap`` over split keys, draws every layer's random numbers at once.
 An accelerator fuses them into the initializers' arithmetic; XLA's CPU backend materializes
-them, so a sharded init compiled for CPU needs about 1.5 times its outputs again in temporaries
-(Llama-7B widths on 8 devices: 3,213 MiB of parameters and 4,720 MiB of temporaries per
-device). Made by ``nnx.scan`` instead, one layer is drawn at a time, with the same keys and so
-the same values.
+them, so a sharded init compiled for CPU holds every layer's random bits at once in
+temporaries. Made by ``nnx.scan`` instead, one layer is drawn at a time, with the same keys and
+so the same values (the README's benchmark B1 measures both).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def stack_layers(
     The same module, with the same values, as ``nnx.split_rngs(splits=count)`` and
     ``nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=stacked(name))`` applied to
     ``make``; built by ``nnx.scan``, so that an initializer compiled for CPU draws one layer's
-    random numbers at a time (Llama-7B widths on 8 CPU devices: peak 1.12x the parameters per
-    device instead of 2.47x). Run it with ``nnx.scan(..., transform_metadata=stacked(name))``
+    random numbers at a time (benchmark B1 measures the peak). Run it with ``nnx.scan(..., transform_metadata=stacked(name))``
     as a vmapped stack.
 
     Args:
