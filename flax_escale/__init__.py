@@ -10,26 +10,13 @@ multi-host data and the errors. The rest is organized by layer and by audience:
 - :mod:`flax_escale.t5x`: t5x.partitioning's vocabulary (``Partitioner``, mesh builders, ...).
 - :mod:`flax_escale.eformer`: eformer.escale's names and signatures.
 - :mod:`flax_escale.mesh`, :mod:`flax_escale.axes`, :mod:`flax_escale.resolve`,
-  :mod:`flax_escale.sharding`, :mod:`flax_escale.frontend`: the layers, for what the top level
-  leaves out (``fit_spec``, regex partition rules, shard and gather functions, ...).
+  :mod:`flax_escale.plan`, :mod:`flax_escale.sharding`, :mod:`flax_escale.tools`: the layers,
+  for what the top level leaves out (``fit_spec``, regex partition rules, shard and gather
+  functions, the launcher, ...).
 """
 
-from flax_escale import eformer, linen, nnx, planning, t5x  # noqa: F401 (the namespaces, as attributes)
-from flax_escale._checkpoint import restore_checkpoint, save_checkpoint
-from flax_escale._data import (
-    batch_sharding,
-    global_to_host_local,
-    host_local_to_global,
-    process_batch_slice,
-)
-from flax_escale._report import (
-    MemoryEstimate,
-    ShardingReport,
-    UnshardedParameterError,
-    check_sharded,
-    sharding_report,
-    will_it_fit,
-)
+from flax_escale import eformer, linen, nnx, plan, planning, t5x  # noqa: F401 (the namespaces)
+from flax_escale._frontend._entry import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import (
     EscaleError,
@@ -39,7 +26,6 @@ from flax_escale.errors import (
     ShardingCorrectionWarning,
     ShardingResolutionError,
 )
-from flax_escale.frontend._entry import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale.mesh import (
     calculate_host_mesh_shape,
     cpu_context,
@@ -49,16 +35,32 @@ from flax_escale.mesh import (
     initialize_distributed,
     parse_mesh_from_string,
 )
-from flax_escale.resolve import logical_to_mesh_axes, resolve_logical_axes
-from flax_escale.sharding import (
+from flax_escale.plan import (
     ShardingPlan,
-    constrain,
     init_opt_state,
     logical_to_mesh_sharding,
     opt_state_shardings,
+)
+from flax_escale.resolve import logical_to_mesh_axes, resolve_logical_axes
+from flax_escale.sharding import (
+    constrain,
     reshard_tree,
     use_sharding,
     with_sharding_constraint,
+)
+from flax_escale.tools import (
+    MemoryEstimate,
+    ShardingReport,
+    UnshardedParameterError,
+    batch_sharding,
+    check_sharded,
+    global_to_host_local,
+    host_local_to_global,
+    process_batch_slice,
+    restore_checkpoint,
+    save_checkpoint,
+    sharding_report,
+    will_it_fit,
 )
 
 __all__ = [

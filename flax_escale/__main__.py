@@ -3,7 +3,7 @@
 Subcommands:
 
 - ``launch``: run a script as several processes of one job on this machine
-  (:mod:`flax_escale._launch`).
+  (:mod:`flax_escale.tools._launch`).
 - ``plan``: rank the meshes of N devices for a workload by memory and estimated step time
   (:func:`flax_escale.planning.plan_mesh`).
 
@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from flax_escale import _launch, planning
+from flax_escale import planning
 from flax_escale.errors import EscaleError
 from flax_escale.planning import PROFILES
+from flax_escale.tools import _launch
 
 
 def _add_launch(subparsers: argparse._SubParsersAction) -> None:

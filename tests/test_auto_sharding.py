@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale.resolve._fit import mesh_axes_of
+from flax_escale._specs import mesh_axes_of
 from flax_escale.sharding._auto import suggest_methods
 
 MESH_DIMS = [(1, 8, 1, 1, 1), (1, 4, 1, 2, 1), (2, 2, 1, 2, 1), (1, 2, 1, 2, 2), (2, 1, 2, 2, 1)]

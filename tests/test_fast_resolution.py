@@ -27,12 +27,12 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale._specs import mesh_axes_of
+from flax_escale.plan._annotation import annotated_leaves
+from flax_escale.plan._plan import build_plan
+from flax_escale.plan._tree import _plain_shardings
 from flax_escale.resolve import PassedOver, Resolution, fit_spec
 from flax_escale.resolve._logical import _FREE, _unplaced, resolver
-from flax_escale.sharding._annotation import annotated_leaves
-from flax_escale.sharding._plan import build_plan
-from flax_escale.sharding._tree import _plain_shardings
 
 
 def reference(names, rules, shape, mesh_shape) -> Resolution | str:

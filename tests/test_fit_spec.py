@@ -77,9 +77,9 @@ def test_entries_and_specs_of_the_wrong_type_are_refused():
         fit_spec("tp", (4, 4, 4), MESH)
 
 
-def test_mesh_axes_of_is_the_mesh_layers_one_reader():
-    from flax_escale.mesh._axes import mesh_axes_of as from_mesh_layer
-    from flax_escale.resolve._fit import mesh_axes_of
+def test_fit_spec_reads_entries_with_the_one_reader():
+    from flax_escale import _specs
+    from flax_escale.resolve import _fit
 
-    assert mesh_axes_of is from_mesh_layer
-    assert mesh_axes_of("fsdp") == ("fsdp",)
+    assert _fit.mesh_axes_of is _specs.mesh_axes_of
+    assert _fit.mesh_axes_of("fsdp") == ("fsdp",)

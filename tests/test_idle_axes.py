@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
+from flax_escale._specs import mesh_axes_of
+from flax_escale.plan import IDLE_AXES_MIN_BYTES
 from flax_escale.resolve import complete_spec
-from flax_escale.resolve._fit import fit_spec, mesh_axes_of
-from flax_escale.sharding import IDLE_AXES_MIN_BYTES
+from flax_escale.resolve._fit import fit_spec
 
 MESH = {"dp": 2, "fsdp": 4, "tp": 2, "sp": 1}
 

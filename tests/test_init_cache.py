@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
-from flax_escale.frontend import _init_cache
+from flax_escale._frontend import _init_cache
 
 KEY = jax.random.key(0)
 X = jnp.ones((4, 16))

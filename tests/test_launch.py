@@ -16,7 +16,7 @@ import pytest
 
 import flax_escale as fe
 from flax_escale.__main__ import main
-from flax_escale._launch import free_port, launch, process_environment
+from flax_escale.tools._launch import free_port, launch, process_environment
 
 HANG_GUARD = 180
 

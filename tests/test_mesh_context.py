@@ -102,7 +102,7 @@ def test_abstract_mesh_works_as_mesh(mesh):
     assert get_mesh_axis_names(mesh.abstract_mesh) == list(mesh.axis_names)
 
 
-# --- the one reading of a spec entry (flax_escale.mesh._axes.mesh_axes_of) ---------------------
+# --- the one reading of a spec entry (flax_escale._specs.mesh_axes_of) ---------------------
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_abstract_mesh_works_as_mesh(mesh):
     ],
 )
 def test_mesh_axes_of_reads_every_entry_form(entry, axes):
-    from flax_escale.mesh._axes import mesh_axes_of
+    from flax_escale._specs import mesh_axes_of
 
     assert mesh_axes_of(entry) == axes
 
@@ -134,7 +134,7 @@ def test_mesh_axes_of_reads_every_entry_form(entry, axes):
     ],
 )
 def test_mesh_axes_of_refuses_anything_else_naming_the_argument(entry, got):
-    from flax_escale.mesh._axes import mesh_axes_of
+    from flax_escale._specs import mesh_axes_of
 
     with pytest.raises(EscaleTypeError, match=r"my_arg must be None, a mesh axis name.*got " + got):
         mesh_axes_of(entry, argument="my_arg")
@@ -142,7 +142,7 @@ def test_mesh_axes_of_refuses_anything_else_naming_the_argument(entry, got):
 
 def test_every_module_reads_entries_with_the_one_function():
     from flax_escale.eformer import _mesh as eformer_mesh
-    from flax_escale.mesh import _axes as axes
+    from flax_escale import _specs as axes
     from flax_escale.resolve import _fit as fit
     from flax_escale.t5x import _chunks as chunks
 

@@ -31,12 +31,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
+from flax_escale import _checks as check
 from flax_escale import linen as fel
 from flax_escale import mesh as fem
 from flax_escale import nnx as fen
+from flax_escale import plan as fep
 from flax_escale import sharding as fes
 from flax_escale import t5x
-from flax_escale.mesh import _validate as check
 from flax_escale.resolve import as_logical_rules, resolve_mesh_axes
 
 
@@ -2253,7 +2254,7 @@ CASES = [
         id="nnx-stacked-empty",
     ),
     case(
-        lambda: fes.build_plan(jax.tree.structure({}), [], "dp:8"),
+        lambda: fep.build_plan(jax.tree.structure({}), [], "dp:8"),
         T,
         "mesh",
         "'dp:8'",
@@ -2261,7 +2262,7 @@ CASES = [
         id="build_plan-mesh-string",
     ),
     case(
-        lambda: fes.annotated_leaves("params"),
+        lambda: fep.annotated_leaves("params"),
         T,
         "tree",
         "'params'",
@@ -2269,7 +2270,7 @@ CASES = [
         id="annotated_leaves-string",
     ),
     case(
-        lambda: fes.Annotation(logical_axes="batch"),
+        lambda: fep.Annotation(logical_axes="batch"),
         T,
         "logical_axes",
         "'batch'",
@@ -2277,7 +2278,7 @@ CASES = [
         id="Annotation-logical_axes-string",
     ),
     case(
-        lambda: fes.read_annotation(X, source=3),
+        lambda: fep.read_annotation(X, source=3),
         T,
         "source",
         "int 3",

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_escale import EscaleError, create_mesh, init_opt_state, opt_state_shardings
-from flax_escale.sharding._optimizer import Followed, follow_params, follow_shardings
+from flax_escale.plan._optimizer import Followed, follow_params, follow_shardings
 
 SHAPES = [
     (16, 16),

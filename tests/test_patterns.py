@@ -3,7 +3,7 @@ import re
 import pytest
 
 from flax_escale import EscaleError, EscaleTypeError
-from flax_escale.frontend import AxesPatterns
+from flax_escale._frontend import AxesPatterns
 
 HM = ("hidden_state", "mlp_intermediate")
 MH = ("mlp_intermediate", "hidden_state")

@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 
 import flax_escale as fe
+from flax_escale import _checks
 from flax_escale.linen import init_train_state
-from flax_escale.mesh import _validate
 from flax_escale.planning import Workload
 from flax_escale.resolve import _rules
 
@@ -65,7 +65,7 @@ def checks(monkeypatch, mesh, meshes):
         return counted
 
     for name in ("mesh", "rng", "flag", "names", "transformation"):
-        monkeypatch.setattr(_validate, name, spy(name, getattr(_validate, name)))
+        monkeypatch.setattr(_checks, name, spy(name, getattr(_checks, name)))
     original = _rules.as_logical_rules
     frozen = spy("as_logical_rules", original)
     for module in [m for n, m in sys.modules.items() if n.startswith("flax_escale")]:

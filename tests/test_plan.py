@@ -17,9 +17,9 @@ from flax_escale import (
     create_mesh,
     resolve_logical_axes,
 )
+from flax_escale.plan import Annotation, PlanEntry
+from flax_escale.plan._plan import build_plan
 from flax_escale.resolve import Correction, resolve_mesh_axes
-from flax_escale.sharding import Annotation, PlanEntry
-from flax_escale.sharding._plan import build_plan
 
 HM = ("hidden_state", "mlp_intermediate")
 MESH_SHAPE = "{'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1}"
@@ -360,8 +360,8 @@ def test_describe_notes_corrections_and_unknown_names(mesh):
     assert "no rule for 'mystery'" in text
     lines = text.splitlines()
     assert lines[-2] == (
-        "3 arrays on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1): 4.00 MiB in all, 4.00 MiB per device; "
-        "1 corrections, 1 unannotated"
+        "3 arrays on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1): 4.00 MiB in all, 2.00 MiB per device; "
+        "1 corrections, 1 idle axes put to use, 1 unannotated"
     )
     assert lines[-1] == "pattern 'zz' matched nothing"
     assert plan.notes == ("pattern 'zz' matched nothing",)

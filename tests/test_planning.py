@@ -31,7 +31,7 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.__main__ import main
-from flax_escale._hlo import program_costs
+from flax_escale.plan._plan import format_bytes
 from flax_escale.planning import (
     ESTIMATE_TERMS,
     PROFILES,
@@ -46,7 +46,7 @@ from flax_escale.planning import (
 )
 from flax_escale.planning import _plan as plan_module
 from flax_escale.planning import _workload as workload_module
-from flax_escale.sharding._plan import format_bytes
+from flax_escale.planning._hlo import program_costs
 
 AXES = ("fsdp", "tp")
 MiB = 2**20

@@ -86,7 +86,6 @@ EXPECTED = {
         "DEFAULT_AXIS_NAMES",
         "AxisTypeLike",
         "ClusterInfo",
-        "MeshAxisNames",
         "assert_same_mesh",
         "calculate_host_mesh_shape",
         "cpu_context",
@@ -118,38 +117,47 @@ EXPECTED = {
         "resolve_logical_axes",
         "resolve_mesh_axes",
     ],
-    "flax_escale.sharding": [
+    "flax_escale.plan": [
         "IDLE_AXES_MIN_BYTES",
+        "USE_IDLE_AXES",
         "Annotation",
-        "PartitionRuleError",
         "PlanEntry",
         "ShardingPlan",
         "annotated_leaves",
-        "apply_spec",
         "arrays_only",
         "build_plan",
-        "constrain",
         "init_opt_state",
         "logical_to_mesh_sharding",
-        "make_shard_and_gather_fns",
         "opt_state_shardings",
         "read_annotation",
+    ],
+    "flax_escale.sharding": [
+        "PartitionRuleError",
+        "apply_spec",
+        "constrain",
+        "make_shard_and_gather_fns",
         "reshard_tree",
         "spec_from_shape",
         "specs_from_regex",
         "use_sharding",
         "with_sharding_constraint",
     ],
-    "flax_escale.frontend": [
-        "AxesPatterns",
-        "DeclaringMixin",
-        "InitOptions",
-        "Install",
-        "Overrides",
-        "apply_overrides",
-        "declare",
-        "record",
-        "unused_pattern_note",
+    "flax_escale.tools": [
+        "MemoryEstimate",
+        "ShardingReport",
+        "UnshardedParameterError",
+        "batch_sharding",
+        "check_sharded",
+        "free_port",
+        "global_to_host_local",
+        "host_local_to_global",
+        "launch",
+        "process_batch_slice",
+        "process_environment",
+        "restore_checkpoint",
+        "save_checkpoint",
+        "sharding_report",
+        "will_it_fit",
     ],
     "flax_escale.t5x": [
         "AxisNames",
@@ -327,6 +335,26 @@ MOVED = [
     "flax_escale.eformer.create_pattern_based_partition_spec",
     "flax_escale.sharding.auto_partition_spec -> flax_escale.sharding.spec_from_shape",
     "flax_escale.sharding.match_partition_rules -> flax_escale.sharding.specs_from_regex",
+    "flax_escale.mesh.MeshAxisNames -> flax_escale.axes.MeshAxes",
+    *(
+        f"flax_escale.sharding.{name} -> flax_escale.plan.{name}"
+        for name in EXPECTED["flax_escale.plan"]
+        if name != "USE_IDLE_AXES"
+    ),
+    *(
+        f"flax_escale.frontend.{name} -> flax_escale._frontend.{name}"
+        for name in (
+            "AxesPatterns",
+            "DeclaringMixin",
+            "InitOptions",
+            "Install",
+            "Overrides",
+            "apply_overrides",
+            "declare",
+            "record",
+            "unused_pattern_note",
+        )
+    ),
     *(
         f"flax_escale.{api}.{name} -> flax_escale.{name}"
         for api in ("linen", "nnx")
@@ -343,7 +371,9 @@ COMPAT_PACKAGES = ("flax_escale.t5x", "flax_escale.eformer")
 COMPAT_VOCABULARY = {
     move.split(" -> ")[0].rpartition(".")[2]
     for move in MOVED
-    if not move.startswith(("flax_escale.linen.", "flax_escale.nnx."))
+    if move.startswith(("flax_escale.mesh.", "flax_escale.axes.", "flax_escale.sharding."))
+    and " -> flax_escale.plan." not in move
+    and " -> flax_escale.axes." not in move
 } | {
     "PartitionManager",
     "extract_sharding_structure",
@@ -366,7 +396,10 @@ def _core_modules() -> list[types.ModuleType]:
 
 def test_no_core_module_defines_or_exports_the_compatibility_vocabularies():
     modules = _core_modules()
-    assert {m.__name__ for m in modules} >= {"flax_escale.mesh._context", "flax_escale._report"}
+    assert {m.__name__ for m in modules} >= {
+        "flax_escale.mesh._context",
+        "flax_escale.tools._report",
+    }
     for module in modules:
         exported = set(getattr(module, "__all__", ())) & COMPAT_VOCABULARY
         assert not exported, f"{module.__name__} exports {sorted(exported)}"
@@ -437,3 +470,13 @@ def test_an_unknown_name_is_still_an_attribute_error():
     for module in (axes, mesh, sharding):
         with pytest.raises(AttributeError, match=rf"module '{module.__name__}' has no attribute"):
             module.no_such_name  # noqa: B018
+
+
+def test_importing_the_library_leaves_orbax_unimported():
+    import subprocess
+    import sys
+
+    # A fresh interpreter: this one has imported orbax through other tests.
+    code = "import sys, flax_escale; print(sorted(m for m in sys.modules if 'orbax' in m))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"

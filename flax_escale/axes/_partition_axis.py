@@ -9,13 +9,12 @@ from typing import Any, TypeAlias, TypeVar
 
 import jax
 
+from flax_escale._specs import MeshAxes
 from flax_escale.axes._aliases import Aliases, merge_aliases
 from flax_escale.errors import EscaleError
 
 __all__ = ["LogicalRules", "MeshAxes", "PartitionAxis"]
 
-MeshAxes: TypeAlias = str | tuple[str, ...] | None
-"""Where one array dimension goes: a mesh axis, several (sharded over their product), or none."""
 
 LogicalRules: TypeAlias = tuple[tuple[str, MeshAxes], ...]
 """Ordered ``(logical name, mesh axes)`` pairs, as ``flax.linen.logical_axis_rules`` takes."""

@@ -11,11 +11,11 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
-from flax_escale.resolve._fit import mesh_axes_of
 from flax_escale.sharding import spec_from_shape, specs_from_regex
 
 __all__ = ["auto_partition_spec", "match_partition_rules"]

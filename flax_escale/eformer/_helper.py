@@ -14,10 +14,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
-from flax_escale.resolve._fit import mesh_axes_of
+from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.sharding import spec_from_shape, with_sharding_constraint
 from flax_escale.sharding._auto import (
     Methods,
@@ -25,7 +26,6 @@ from flax_escale.sharding._auto import (
     spec_from_methods,
     suggest_methods,
 )
-from flax_escale.sharding._paths import flatten_with_paths
 
 __all__ = ["MeshPartitionHelper"]
 

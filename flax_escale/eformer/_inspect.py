@@ -16,13 +16,13 @@ from typing import Any, ClassVar
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._checks import describe
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
-from flax_escale.mesh._validate import describe
-from flax_escale.resolve._fit import mesh_axes_of
+from flax_escale.plan._paths import is_box, unbox
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
-from flax_escale.sharding._paths import is_box, unbox
 
 __all__ = [
     "ShardingAnalysis",

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules, PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
 from flax_escale.resolve import logical_to_mesh_axes
 from flax_escale.sharding import constrain
 

@@ -14,10 +14,11 @@ import math
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
+from flax_escale.axes import MeshAxes
 from flax_escale.errors import EscaleTypeError, MeshError, NoMeshError
-from flax_escale.mesh import MeshAxisNames, current_mesh
-from flax_escale.mesh import _validate as check
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale.mesh import current_mesh
 
 __all__ = [
     "get_axes_size_in_mesh",
@@ -119,9 +120,7 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
     return list((current_mesh() if mesh is None else mesh).axis_names)
 
 
-def get_axes_size_in_mesh(
-    axis_names: MeshAxisNames, mesh: Mesh | AbstractMesh | None = None
-) -> int:
+def get_axes_size_in_mesh(axis_names: MeshAxes, mesh: Mesh | AbstractMesh | None = None) -> int:
     """Returns the number of devices along one mesh axis, or the product over several.
 
     Args:
@@ -134,7 +133,7 @@ def get_axes_size_in_mesh(
     Raises:
         MeshError: If an axis is not in the mesh.
         EscaleTypeError: If ``axis_names`` is not a string, a tuple or list of strings or
-            ``None`` (see :func:`~flax_escale.mesh._axes.mesh_axes_of`), or ``mesh`` is not a
+            ``None`` (see :func:`~flax_escale._specs.mesh_axes_of`), or ``mesh`` is not a
             mesh.
         NoMeshError: If ``mesh`` is omitted and no mesh is set.
 
@@ -158,8 +157,8 @@ def get_axes_size_in_mesh(
     return math.prod(shape[n] for n in names)
 
 
-def as_axis_name_tuple(axis_names: MeshAxisNames) -> tuple[str, ...]:
-    """:func:`~flax_escale.mesh._axes.mesh_axes_of`, for an argument called ``axis_names``."""
+def as_axis_name_tuple(axis_names: MeshAxes) -> tuple[str, ...]:
+    """:func:`~flax_escale._specs.mesh_axes_of`, for an argument called ``axis_names``."""
     return mesh_axes_of(axis_names, argument="axis_names")
 
 
@@ -171,7 +170,7 @@ def _unbound(function: str, names: tuple[str, ...], error: NameError) -> MeshErr
     )
 
 
-def get_mesh_axis_size(axis_names: MeshAxisNames) -> int:
+def get_mesh_axis_size(axis_names: MeshAxes) -> int:
     """Returns the number of devices along the given mesh axes, inside ``jax.shard_map``.
 
     Args:
@@ -203,7 +202,7 @@ def get_mesh_axis_size(axis_names: MeshAxisNames) -> int:
         raise _unbound("get_mesh_axis_size", names, error) from error
 
 
-def get_submesh_device_index(axis_names: MeshAxisNames) -> jax.Array | int:
+def get_submesh_device_index(axis_names: MeshAxes) -> jax.Array | int:
     """Returns this device's linear index over the given mesh axes, inside ``jax.shard_map``.
 
     The first axis is the most significant (row-major), so over ``("dp", "tp")`` with

@@ -11,8 +11,8 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import enforce
 from flax_escale.sharding._rules import (

@@ -1,27 +1,28 @@
-"""What both front ends share: declaring logical axes, and the one init pipeline.
+"""Deprecated: the front ends' machinery is private (``flax_escale._frontend``).
 
-``flax_escale.linen`` and ``flax_escale.nnx`` each implement the pipeline's
-:class:`~flax_escale.frontend._pipeline.FrontEnd` protocol for their Flax API (tracing, the
-initializer, the finish). The rest is the same for both and lives here: the patterns a
-``sharded_module`` declaration holds, the three ways of declaring (decorator with a mapping,
-bare decorator with a ``patterns`` class attribute, mixin), the inheritance of declarations,
-``overrides=``, the options every entry point takes (:class:`InitOptions`) and the entry points
-themselves.
+What a user reaches for is at the top level (``sharded_module``, ``init_sharded``,
+``plan_sharding``, ``lower_init``) and in ``flax_escale.linen`` / ``flax_escale.nnx``. The
+names this package exported still work for one release, with a ``DeprecationWarning``.
 """
 
-from flax_escale.frontend._declare import DeclaringMixin, Install, declare, record
-from flax_escale.frontend._options import InitOptions
-from flax_escale.frontend._overrides import Overrides, apply_overrides
-from flax_escale.frontend._patterns import AxesPatterns, unused_pattern_note
+from flax_escale._moved import moved_names as _moved_names
 
-__all__ = [
-    "AxesPatterns",
-    "DeclaringMixin",
-    "InitOptions",
-    "Install",
-    "Overrides",
-    "apply_overrides",
-    "declare",
-    "record",
-    "unused_pattern_note",
-]
+__all__: list[str] = []
+
+__getattr__ = _moved_names(
+    __name__,
+    {
+        name: f"flax_escale._frontend.{name}; the front ends' machinery is private now"
+        for name in (
+            "AxesPatterns",
+            "DeclaringMixin",
+            "InitOptions",
+            "Install",
+            "Overrides",
+            "apply_overrides",
+            "declare",
+            "record",
+            "unused_pattern_note",
+        )
+    },
+)

@@ -16,8 +16,8 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale._moved import moved_names as _moved_names
-from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.linen._annotate import ShardedMixin
 from flax_escale.linen._init import init_train_state
 from flax_escale.linen._train import jit_train_step

@@ -19,15 +19,15 @@ from typing import Any, TypeVar
 import flax.linen as nn
 from flax.core import meta
 
-from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.frontend import (
+from flax_escale._frontend import (
     AxesPatterns,
     DeclaringMixin,
     declare,
     record,
     unused_pattern_note,
 )
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale._specs import mesh_axes_of
+from flax_escale.errors import EscaleError, EscaleTypeError
 
 __all__ = ["ShardedMixin", "annotating", "sharded_module"]
 

@@ -15,20 +15,20 @@ import optax
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._frontend import _pipeline as pipeline
+from flax_escale._frontend._options import InitOptions
+from flax_escale._frontend._overrides import Overrides
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.frontend import _pipeline as pipeline
-from flax_escale.frontend._options import InitOptions
-from flax_escale.frontend._overrides import Overrides
 from flax_escale.linen._annotate import annotating
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import with_auto_axes
+from flax_escale.plan import ShardingPlan, annotated_leaves
+from flax_escale.plan._optimizer import create_checked
+from flax_escale.plan._paths import is_box
+from flax_escale.plan._paths import unbox as unbox_leaf
+from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding import ShardingPlan, annotated_leaves
 from flax_escale.sharding._context import sharding_context
-from flax_escale.sharding._optimizer import create_checked
-from flax_escale.sharding._paths import is_box
-from flax_escale.sharding._paths import unbox as unbox_leaf
-from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["FRONT_END", "LinenFrontEnd", "init_train_state"]
 

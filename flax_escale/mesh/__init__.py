@@ -3,7 +3,7 @@
 from flax_escale._moved import moved_names as _moved_names
 from flax_escale.mesh._agreement import assert_same_mesh
 from flax_escale.mesh._cluster import ClusterInfo, detect_cluster
-from flax_escale.mesh._context import MeshAxisNames, current_mesh, with_auto_axes
+from flax_escale.mesh._context import current_mesh, with_auto_axes
 from flax_escale.mesh._cpu import cpu_context, force_cpu
 from flax_escale.mesh._creation import (
     DEFAULT_AXIS_DIMS,
@@ -21,7 +21,6 @@ __all__ = [
     "DEFAULT_AXIS_NAMES",
     "AxisTypeLike",
     "ClusterInfo",
-    "MeshAxisNames",
     "assert_same_mesh",
     "calculate_host_mesh_shape",
     "cpu_context",
@@ -38,11 +37,13 @@ __all__ = [
     "with_auto_axes",
 ]
 
-# t5x's and eformer's names moved to their namespaces, and the current mesh is current_mesh;
+# t5x's and eformer's names moved to their namespaces, the current mesh is current_mesh and
+# a spec entry's axes are axes.MeshAxes;
 # the old names work for one more release, with a DeprecationWarning.
 __getattr__ = _moved_names(
     __name__,
     {
+        "MeshAxisNames": "flax_escale.axes.MeshAxes; one name for what a spec entry holds",
         "LocalChunkInfo": "flax_escale.t5x.LocalChunkInfo",
         "LocalChunker": "flax_escale.t5x.LocalChunker",
         "get_axes_size_in_mesh": "flax_escale.eformer.get_axes_size_in_mesh",

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from flax_escale._checks import describe
 from flax_escale._compat import coordination_client
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh._validate import describe
 
 __all__ = ["agree_on_mesh", "assert_same_mesh"]
 

@@ -7,9 +7,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale._compat import legacy_mesh
 from flax_escale.errors import NoMeshError
-from flax_escale.mesh._axes import MeshAxisNames
 
-__all__ = ["MeshAxisNames", "current_mesh", "with_auto_axes"]
+__all__ = ["current_mesh", "with_auto_axes"]
 
 
 def current_mesh() -> Mesh | AbstractMesh:

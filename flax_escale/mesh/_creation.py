@@ -20,8 +20,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh._shape import calculate_host_mesh_shape, resolve_axis_dims
 
 __all__ = [

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import jax
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh._cluster import ClusterInfo, detect_cluster, split_address
 
 __all__ = ["initialize_distributed", "peer_loss_as_mesh_error"]

@@ -8,8 +8,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh._creation import create_mesh
 
 __all__ = ["parse_mesh_from_string", "parse_mesh_shape"]

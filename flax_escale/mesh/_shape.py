@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from flax_escale import _checks as check
 from flax_escale.errors import MeshError
-from flax_escale.mesh import _validate as check
 
 __all__ = ["calculate_host_mesh_shape", "resolve_axis_dims"]
 

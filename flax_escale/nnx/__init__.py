@@ -12,8 +12,8 @@ Example:
     P(('fsdp', 'sp'), 'tp')
 """
 
+from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale._moved import moved_names as _moved_names
-from flax_escale.frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, stacked
 from flax_escale.nnx._init import init_optimizer
 from flax_escale.nnx._stack import stack_layers

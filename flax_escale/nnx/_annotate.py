@@ -19,16 +19,16 @@ from typing import Any
 
 from flax import nnx
 
-from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.frontend import (
+from flax_escale import _checks as check
+from flax_escale._frontend import (
     AxesPatterns,
     DeclaringMixin,
     declare,
     record,
     unused_pattern_note,
 )
-from flax_escale.mesh import _validate as check
-from flax_escale.sharding._annotation import LOGICAL_AXES
+from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.plan._annotation import LOGICAL_AXES
 
 __all__ = ["LOGICAL_AXES", "ShardedMixin", "collecting_unused", "sharded_module", "stacked"]
 

@@ -11,15 +11,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._frontend import _pipeline as pipeline
+from flax_escale._frontend._overrides import Overrides
 from flax_escale.errors import EscaleTypeError
-from flax_escale.frontend import _pipeline as pipeline
-from flax_escale.frontend._overrides import Overrides
-from flax_escale.mesh import _validate as check
 from flax_escale.nnx._annotate import collecting_unused
+from flax_escale.plan import PlanEntry, ShardingPlan, annotated_leaves
+from flax_escale.plan._optimizer import follow_shardings
+from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding import PlanEntry, ShardingPlan, annotated_leaves
-from flax_escale.sharding._optimizer import follow_shardings
-from flax_escale.sharding._paths import flatten_with_paths
 
 __all__ = ["FRONT_END", "NnxFrontEnd", "OptimizerLayout", "init_optimizer", "optimizer_layout"]
 

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 from flax import nnx
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh import _validate as check
 from flax_escale.nnx._annotate import stacked
 
 __all__ = ["stack_layers"]
@@ -31,8 +31,8 @@ def stack_layers(
     The same module, with the same values, as ``nnx.split_rngs(splits=count)`` and
     ``nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=stacked(name))`` applied to
     ``make``; built by ``nnx.scan``, so that an initializer compiled for CPU draws one layer's
-    random numbers at a time (benchmark B1 measures the peak). Run it with ``nnx.scan(..., transform_metadata=stacked(name))``
-    as a vmapped stack.
+    random numbers at a time (benchmark B1 measures the peak). Run it with
+    ``nnx.scan(..., transform_metadata=stacked(name))`` as a vmapped stack.
 
     Args:
         make: Builds one layer from its ``nnx.Rngs``.

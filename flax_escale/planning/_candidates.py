@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleError
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
-from flax_escale.mesh import _validate as check
 
 __all__ = ["PLANNED_AXES", "mesh_shapes"]
 

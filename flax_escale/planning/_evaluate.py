@@ -14,16 +14,16 @@ from typing import Any
 import jax
 import jaxlib
 
-from flax_escale._data import batch_resolution
-from flax_escale._hlo import program_costs
-from flax_escale._report import will_it_fit
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, create_mesh
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale.plan import ShardingPlan
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.planning._hlo import program_costs
 from flax_escale.planning._workload import Workload, batch_shardings, lower_programs
 from flax_escale.resolve import as_logical_rules
-from flax_escale.sharding import ShardingPlan
+from flax_escale.tools._data import batch_resolution
+from flax_escale.tools._memory import will_it_fit
 
 __all__ = ["Figures", "evaluate"]
 

@@ -25,9 +25,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from flax_escale import _checks as check
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
 from flax_escale.planning._evaluate import Figures, evaluate
 from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
 from flax_escale.planning._result import MeshPlan

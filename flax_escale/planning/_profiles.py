@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_escale._hlo import program_costs
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
+from flax_escale.planning._hlo import program_costs
 
 __all__ = ["PROFILES", "HardwareProfile", "hardware_profile", "measure_cpu_profile", "parse_bytes"]
 
@@ -147,8 +147,8 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
     device), an all-gather of 16 MiB (bytes each device sends per second, as
-    :mod:`flax_escale._hlo` counts them), an all-reduce of one value per device (latency) and
-    an elementwise update of 16 MiB per device (memory bandwidth).
+    :mod:`flax_escale.planning._hlo` counts them), an all-reduce of one value per device
+    (latency) and an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:
         mesh: The mesh whose devices to measure.

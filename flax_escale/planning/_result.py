@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
+from flax_escale.plan._plan import format_bytes
 from flax_escale.planning._evaluate import Figures
 from flax_escale.planning._profiles import HardwareProfile
-from flax_escale.sharding._plan import format_bytes
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale._specs import mesh_axes_of
 
 __all__ = ["Completion", "complete_spec"]
 

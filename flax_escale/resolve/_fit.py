@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
 
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = ["Correction", "fit_spec", "mesh_axes_of"]
 

@@ -17,15 +17,16 @@ from typing import Any, NamedTuple, TypeAlias
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import (
     EscaleTypeError,
     NoMeshError,
     ShardingResolutionError,
 )
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh as get_incontext_mesh
-from flax_escale.resolve._fit import Correction, fit_spec, mesh_axes_of
+from flax_escale.resolve._fit import Correction, fit_spec
 from flax_escale.resolve._resolution import PassedOver, Resolution, enforce
 from flax_escale.resolve._rules import RulesLike, as_logical_rules
 
@@ -110,7 +111,7 @@ def resolve_checked(
     """:func:`resolve_logical_axes` for arguments it has already checked.
 
     For callers that resolve every array of a tree: the names are checked (an
-    :class:`~flax_escale.sharding.Annotation`'s), the rules frozen, the shape a tuple and the
+    :class:`~flax_escale.plan.Annotation`'s), the rules frozen, the shape a tuple and the
     mesh given as its ``(axis, size)`` pairs.
     """
     resolution = resolver(rules, mesh_shape).resolve(names, shape)

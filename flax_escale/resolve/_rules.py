@@ -9,11 +9,11 @@ from typing import Any, TypeAlias
 import flax.linen as nn
 from jax.sharding import PartitionSpec
 
+from flax_escale._checks import describe
 from flax_escale._compat import rules_context_is_set
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules, MeshAxes, PartitionAxis
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh._axes import mesh_axes_of
-from flax_escale.mesh._validate import describe
 
 __all__ = ["RulesLike", "as_logical_rules"]
 

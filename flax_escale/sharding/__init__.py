@@ -1,38 +1,24 @@
-"""Layer 4: applying shardings to arrays and trees."""
+"""Layer 4: placing arrays by their shardings at run time.
+
+Constraints inside a traced function (``constrain``, ``with_sharding_constraint``), the rules a
+jitted step sees (``use_sharding``), moving trees between layouts (shard and gather functions,
+``reshard_tree``), regex partition rules and shape-only specs. The static plan the shardings come
+from is :mod:`flax_escale.plan`'s.
+"""
 
 from flax_escale._moved import moved_names as _moved_names
-from flax_escale.sharding._annotation import (
-    Annotation,
-    annotated_leaves,
-    arrays_only,
-    read_annotation,
-)
 from flax_escale.sharding._auto import spec_from_shape
 from flax_escale.sharding._constraint import apply_spec, with_sharding_constraint
 from flax_escale.sharding._context import use_sharding
 from flax_escale.sharding._logical import constrain
-from flax_escale.sharding._optimizer import init_opt_state, opt_state_shardings
-from flax_escale.sharding._plan import IDLE_AXES_MIN_BYTES, PlanEntry, ShardingPlan, build_plan
 from flax_escale.sharding._rules import PartitionRuleError, specs_from_regex
 from flax_escale.sharding._transfer import make_shard_and_gather_fns, reshard_tree
-from flax_escale.sharding._tree import logical_to_mesh_sharding
 
 __all__ = [
-    "IDLE_AXES_MIN_BYTES",
-    "Annotation",
     "PartitionRuleError",
-    "PlanEntry",
-    "ShardingPlan",
-    "annotated_leaves",
     "apply_spec",
-    "arrays_only",
-    "build_plan",
     "constrain",
-    "init_opt_state",
-    "logical_to_mesh_sharding",
     "make_shard_and_gather_fns",
-    "opt_state_shardings",
-    "read_annotation",
     "reshard_tree",
     "spec_from_shape",
     "specs_from_regex",
@@ -40,11 +26,23 @@ __all__ = [
     "with_sharding_constraint",
 ]
 
-# eformer's names moved to flax_escale.eformer, and the two core functions that had eformer's
-# names have their own; the old names work for one more release, with a DeprecationWarning.
+# The static plan moved to flax_escale.plan and eformer's names to flax_escale.eformer, and the
+# two core functions that had eformer's names have their own; the old names work for one more
+# release, with a DeprecationWarning.
 __getattr__ = _moved_names(
     __name__,
     {
+        "IDLE_AXES_MIN_BYTES": "flax_escale.plan.IDLE_AXES_MIN_BYTES",
+        "Annotation": "flax_escale.plan.Annotation",
+        "PlanEntry": "flax_escale.plan.PlanEntry",
+        "ShardingPlan": "flax_escale.plan.ShardingPlan",
+        "annotated_leaves": "flax_escale.plan.annotated_leaves",
+        "arrays_only": "flax_escale.plan.arrays_only",
+        "build_plan": "flax_escale.plan.build_plan",
+        "init_opt_state": "flax_escale.plan.init_opt_state",
+        "logical_to_mesh_sharding": "flax_escale.plan.logical_to_mesh_sharding",
+        "opt_state_shardings": "flax_escale.plan.opt_state_shardings",
+        "read_annotation": "flax_escale.plan.read_annotation",
         "MeshPartitionHelper": "flax_escale.eformer.MeshPartitionHelper; its "
         "create_partition_spec takes candidate methods in priority order, and places or skips "
         "them instead of raising",

@@ -17,10 +17,10 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import MeshError
-from flax_escale.mesh import _validate as check
-from flax_escale.resolve._fit import mesh_axes_of
 
 __all__ = ["spec_from_shape"]
 

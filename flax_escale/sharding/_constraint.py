@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of, without_unit_explicit_axes
 from flax_escale.errors import EscaleTypeError, NoMeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
-from flax_escale.mesh._axes import without_unit_explicit_axes
 from flax_escale.resolve import enforce, resolve_mesh_axes
-from flax_escale.resolve._fit import mesh_axes_of
 
 __all__ = ["apply_spec", "with_sharding_constraint"]
 

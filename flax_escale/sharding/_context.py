@@ -10,11 +10,11 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import ShardingCorrectionWarning, ShardingResolutionError
-from flax_escale.mesh import _validate as check
 from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.resolve._fit import mesh_axes_of
 
 __all__ = ["sharding_context", "use_sharding"]
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax.linen.spmd import RulesFallback
 from jax.sharding import AbstractMesh, Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError, NoMeshError, ShardingResolutionError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import (
     LogicalAxes,

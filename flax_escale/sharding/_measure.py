@@ -10,10 +10,11 @@ from typing import Any, TypeVar
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from flax_escale._checks import describe
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh._validate import describe
-from flax_escale.resolve._fit import fit_spec, mesh_axes_of
-from flax_escale.sharding._paths import flatten_with_paths
+from flax_escale.plan._paths import flatten_with_paths
+from flax_escale.resolve._fit import fit_spec
 
 __all__ = ["LayoutFigures", "measure_layout"]
 

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
+from flax_escale.plan._paths import path_of
 from flax_escale.resolve import enforce, resolve_mesh_axes
-from flax_escale.sharding._paths import path_of
 
 __all__ = [
     "as_named_sharding",

@@ -7,10 +7,10 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from flax_escale.axes._partition_axis import MeshAxes
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
+from flax_escale.axes import MeshAxes
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
-from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = ["AxisNames", "standard_logical_axis_rules"]
 

@@ -7,8 +7,9 @@ sharded over some mesh axes is then split into as many equal parts as those axes
 and the process holds one part; the mesh axes the array does not use tell apart the processes
 that hold the same part (its replicas).
 
-This is what per-process data loading and checkpoint writing need: which slice of the global
-array to produce or to write, and whether this process is the one replica that should write it.
+t5x's own data pipeline and checkpointer ask it which slice of a global array a process
+produces or writes, and whether the process is the one replica that writes it; here it serves
+the t5x ``Partitioner`` and t5x programs that call it themselves.
 """
 
 from __future__ import annotations
@@ -21,14 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import MeshAxes, mesh_axes_of
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh import _validate as check
-from flax_escale.mesh._axes import MeshAxisNames, mesh_axes_of
 
 __all__ = ["LocalChunkInfo", "LocalChunker", "process_blocks"]
-
-MeshAxesEntry = MeshAxisNames
-"""What one dimension is sharded over: nothing, a mesh axis, or several (the first is major)."""
 
 
 class LocalChunkInfo(NamedTuple):
@@ -136,7 +134,7 @@ class LocalChunker:
             self.chunk_ids[name] = interval.start // per_chunk
 
     def get_local_chunk_info(
-        self, global_shape: Sequence[int], mesh_axes: Sequence[MeshAxesEntry]
+        self, global_shape: Sequence[int], mesh_axes: Sequence[MeshAxes]
     ) -> LocalChunkInfo:
         """Returns the slice of a global array this process holds, and its replica id.
 
@@ -184,7 +182,7 @@ class LocalChunker:
                 slices[dim] = self._dimension_slice(shape, dim, axes)
         return LocalChunkInfo(tuple(slices), self._row_major(self._replicated(used)))
 
-    def get_shard_id(self, sharded_mesh_axes: MeshAxesEntry | Sequence[MeshAxesEntry]) -> int:
+    def get_shard_id(self, sharded_mesh_axes: MeshAxes | Sequence[MeshAxes]) -> int:
         """Returns this process's index along the given mesh axes.
 
         The index is row-major in the order the axes are given: with two chunks on each of
@@ -204,7 +202,7 @@ class LocalChunker:
         """
         return self._row_major(self._checked(_flat_axes(sharded_mesh_axes), "sharded_mesh_axes"))
 
-    def get_replica_id(self, sharded_mesh_axes: MeshAxesEntry | Sequence[MeshAxesEntry]) -> int:
+    def get_replica_id(self, sharded_mesh_axes: MeshAxes | Sequence[MeshAxes]) -> int:
         """Returns this process's index along the mesh axes other than the given ones.
 
         For an array sharded over ``sharded_mesh_axes`` (and replicated over the other axes),

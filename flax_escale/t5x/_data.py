@@ -17,13 +17,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_escale._data import process_batch_slice
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError
-from flax_escale.mesh import _validate as check
-from flax_escale.mesh._axes import mesh_axes_of
 from flax_escale.resolve import resolve_logical_axes
 from flax_escale.t5x._chunks import LocalChunker, LocalChunkInfo
+from flax_escale.tools._data import process_batch_slice
 
 __all__ = ["DataLayout", "DataPartitioning"]
 

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import MeshError
-from flax_escale.mesh import _validate as check
 
 __all__ = [
     "DATA_MODEL",

@@ -15,8 +15,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import MeshError, NoMeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
 from flax_escale.t5x._hardware import (
     DATA_MODEL,

@@ -16,14 +16,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules, PartitionAxis
 from flax_escale.errors import EscaleError, MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import assert_same_mesh
-from flax_escale.mesh._axes import mesh_axes_of
+from flax_escale.plan import ShardingPlan
+from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.sharding import ShardingPlan, use_sharding
-from flax_escale.sharding._plan import USE_IDLE_AXES
+from flax_escale.sharding import use_sharding
 from flax_escale.sharding._transfer import as_named_sharding, is_spec_leaf
 from flax_escale.t5x._axes import standard_logical_axis_rules
 from flax_escale.t5x._data import DataPartitioning

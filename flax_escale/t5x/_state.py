@@ -12,17 +12,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from flax_escale._frontend._options import InitOptions
+from flax_escale._frontend._pipeline import plan_variables
 from flax_escale.axes import LogicalRules
-from flax_escale.frontend._options import InitOptions
-from flax_escale.frontend._pipeline import plan_variables
-from flax_escale.sharding import (
-    Annotation,
-    ShardingPlan,
-    annotated_leaves,
-    arrays_only,
-    make_shard_and_gather_fns,
-)
-from flax_escale.sharding._plan import USE_IDLE_AXES
+from flax_escale.plan import Annotation, ShardingPlan, annotated_leaves, arrays_only
+from flax_escale.plan._plan import USE_IDLE_AXES
+from flax_escale.sharding import make_shard_and_gather_fns
 from flax_escale.t5x._axes import AxisNames
 
 __all__ = ["StatePartitioning"]
@@ -48,7 +43,7 @@ class StatePartitioning:
         (``logical_axes``, ``out_sharding``). Optimizer state inherits them: leaves of the
         parameter's shape keep them all, and leaves with a dimension less (Adafactor's factored
         statistics) get the names without it (see
-        :func:`~flax_escale.sharding._optimizer.follow_params`). Other leaves are ``None``. An
+        :func:`~flax_escale.plan._optimizer.follow_params`). Other leaves are ``None``. An
         ``AxisNames`` compares equal to the ``PartitionSpec`` of the same names, which is what
         t5x's (Flax's) logical axes are.
 

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError, MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.t5x._chunks import process_blocks
 from flax_escale.t5x._hardware import (
     DATA_MODEL,

@@ -19,16 +19,16 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
-from flax_escale.frontend._init_cache import run_cached
-from flax_escale.frontend._options import InitOptions
-from flax_escale.frontend._overrides import Overrides, apply_overrides
-from flax_escale.mesh import _validate as check
+from flax_escale import _checks as check
+from flax_escale._frontend._init_cache import run_cached
+from flax_escale._frontend._options import InitOptions
+from flax_escale._frontend._overrides import Overrides, apply_overrides
 from flax_escale.mesh._agreement import agree_on_mesh
 from flax_escale.mesh._context import with_auto_axes
+from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._plan import USE_IDLE_AXES, ShardingPlan, plan_checked
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding._annotation import Annotation
 from flax_escale.sharding._context import sharding_context
-from flax_escale.sharding._plan import USE_IDLE_AXES, ShardingPlan, plan_checked
 
 __all__ = [
     "FrontEnd",

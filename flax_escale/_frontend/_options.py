@@ -12,12 +12,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from flax_escale import _checks as check
+from flax_escale._frontend._overrides import Overrides
+from flax_escale._frontend._patterns import AxesPatterns
 from flax_escale.axes import LogicalRules
-from flax_escale.frontend._overrides import Overrides
-from flax_escale.frontend._patterns import AxesPatterns
-from flax_escale.mesh import _validate as check
+from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike, as_logical_rules
-from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["InitOptions"]
 
@@ -60,7 +60,7 @@ class InitOptions:
             EscaleError: If an override pattern is not a regular expression.
 
         Example:
-            >>> from flax_escale.frontend import InitOptions
+            >>> from flax_escale._frontend import InitOptions
             >>> options = InitOptions.create(rules=[("embed", "fsdp")], strict=True)
             >>> options.rules, options.strict, options.use_idle_axes
             ((('embed', 'fsdp'),), True, True)

@@ -25,7 +25,7 @@ class AxesPatterns:
         entries: ``(pattern, compiled regex, logical axes)`` in declaration order.
 
     Example:
-        >>> from flax_escale.frontend import AxesPatterns
+        >>> from flax_escale._frontend import AxesPatterns
         >>> p = AxesPatterns.compile("MLP", {"wi/kernel": ("hidden_state", "mlp_intermediate"),
         ...                                  "kernel": ("mlp_intermediate", "hidden_state")})
         >>> p.match("wi/kernel")

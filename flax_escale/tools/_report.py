@@ -1,11 +1,10 @@
-"""What users look at: the sharding report, the is-it-sharded check, the will-it-fit estimate."""
+"""What users look at before training: the sharding report and the is-it-sharded check."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,23 +12,18 @@ from jax.sharding import Mesh, NamedSharding
 from rich.console import Console
 from rich.table import Table
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import current_mesh
+from flax_escale.plan import annotated_leaves, arrays_only
+from flax_escale.plan._plan import ShardingPlan, build_plan, format_bytes
 from flax_escale.resolve import RulesLike
-from flax_escale.resolve._fit import Correction, mesh_axes_of
-from flax_escale.sharding import annotated_leaves, arrays_only, spec_from_shape
+from flax_escale.resolve._fit import Correction
+from flax_escale.sharding import spec_from_shape
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
-from flax_escale.sharding._plan import ShardingPlan, build_plan, format_bytes
 
-__all__ = [
-    "MemoryEstimate",
-    "ShardingReport",
-    "UnshardedParameterError",
-    "check_sharded",
-    "sharding_report",
-    "will_it_fit",
-]
+__all__ = ["ShardingReport", "UnshardedParameterError", "check_sharded", "sharding_report"]
 
 
 class UnshardedParameterError(EscaleError):
@@ -235,7 +229,7 @@ def check_sharded(
         >>> check_sharded({"w": w})
         Traceback (most recent call last):
         ...
-        flax_escale._report.UnshardedParameterError: 1 large array(s) ...
+        flax_escale.tools._report.UnshardedParameterError: 1 large array(s) ...
     """
     min_bytes = check.non_negative_int(min_bytes, "min_bytes")
     tolerance = check.non_negative_number(tolerance, "tolerance")
@@ -267,117 +261,3 @@ def check_sharded(
             + "\nAnnotate them with logical names whose rules use these axes, or raise "
             "min_bytes / tolerance."
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-device bytes of a compiled program, from ``compiled.memory_analysis()``.
-
-    Attributes:
-        argument_bytes: Inputs.
-        output_bytes: Outputs.
-        temp_bytes: Temporaries.
-        alias_bytes: Outputs that reuse (donated) inputs.
-        code_bytes: Generated code.
-        device_bytes: The device's memory, if known.
-        backend: The platform the program was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``):
-            temporaries depend on it. XLA's CPU backend materializes the random numbers of an
-            initializer before transforming them, where an accelerator fuses them, so an init
-            compiled for CPU needs temporaries an accelerator does not.
-    """
-
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    code_bytes: int
-    device_bytes: int | None
-    backend: str = "unknown"
-
-    @property
-    def peak_bytes(self) -> int:
-        """Arguments, outputs and temporaries, counting aliased buffers once."""
-        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
-
-    @property
-    def fits(self) -> bool | None:
-        """Whether the peak fits the device's memory (``None`` if that is unknown)."""
-        return None if self.device_bytes is None else self.peak_bytes <= self.device_bytes
-
-    def __str__(self) -> str:
-        verdict = {None: "device memory unknown", True: "fits", False: "does NOT fit"}[self.fits]
-        return (
-            f"per {self.backend} device: arguments {format_bytes(self.argument_bytes)}, outputs "
-            f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)}, "
-            f"aliased {format_bytes(self.alias_bytes)} -> peak {format_bytes(self.peak_bytes)} "
-            f"({verdict})"
-        )
-
-
-def will_it_fit(
-    fn: Callable[..., Any] | jax.stages.Lowered | jax.stages.Compiled,
-    *args: Any,
-    device_bytes: int | None = None,
-    **kwargs: Any,
-) -> MemoryEstimate:
-    """Estimates a step's per-device memory before running it, by compiling it.
-
-    Args:
-        fn: A ``jax.jit`` function (lowered with ``*args``), a plain function (jitted first),
-            or an already lowered or compiled program.
-        *args: Example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
-        device_bytes: The memory of one device; defaults to what the device reports, if any.
-        **kwargs: Keyword arguments for lowering.
-
-    Returns:
-        A :class:`MemoryEstimate`.
-
-    Raises:
-        EscaleTypeError: If ``fn`` is not a function (a name, say) or ``device_bytes`` is not a
-            positive int (``EscaleError`` for one below 1).
-
-    Example:
-        >>> import jax
-        >>> import numpy as np
-        >>> from jax.sharding import NamedSharding, PartitionSpec
-        >>> from flax_escale import create_mesh, will_it_fit
-        >>> mesh = create_mesh((1, 8, 1, 1, 1))
-        >>> fsdp = NamedSharding(mesh, PartitionSpec("fsdp"))
-        >>> x = jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=fsdp)
-        >>> estimate = will_it_fit(lambda x: x * 2, x, device_bytes=1 << 20)
-        >>> estimate.argument_bytes, estimate.output_bytes, estimate.fits
-        (131072, 131072, True)
-    """
-    if not isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
-        check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
-    if device_bytes is not None:
-        device_bytes = check.positive_int(device_bytes, "device_bytes")
-    if isinstance(fn, jax.stages.Compiled):
-        compiled = fn
-    elif isinstance(fn, jax.stages.Lowered):
-        compiled = fn.compile()
-    else:
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-        compiled = jitted.lower(*args, **kwargs).compile()
-    analysis = compiled.memory_analysis()
-    device = _device_of(compiled)
-    if device_bytes is None:
-        stats = device.memory_stats() or {}
-        device_bytes = stats.get("bytes_limit")
-    return MemoryEstimate(
-        argument_bytes=int(analysis.argument_size_in_bytes),
-        output_bytes=int(analysis.output_size_in_bytes),
-        temp_bytes=int(analysis.temp_size_in_bytes),
-        alias_bytes=int(analysis.alias_size_in_bytes),
-        code_bytes=int(analysis.generated_code_size_in_bytes),
-        device_bytes=device_bytes,
-        backend=device.platform,
-    )
-
-
-def _device_of(compiled: jax.stages.Compiled) -> jax.Device:
-    # A device the program runs on, from its shardings (the default device for none).
-    for sharding in jax.tree.leaves((compiled.output_shardings, compiled.input_shardings)):
-        if isinstance(sharding, jax.sharding.Sharding):
-            return next(iter(sharding.device_set))
-    return jax.devices()[0]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flax_escale.frontend._patterns import AxesPatterns
-from flax_escale.sharding import Annotation
+from flax_escale._frontend._patterns import AxesPatterns
+from flax_escale.plan import Annotation
 
 __all__ = ["Overrides", "apply_overrides"]
 
@@ -29,7 +29,7 @@ def apply_overrides(
     Args:
         items: ``(path, abstract array, annotation)`` per variable, as the plan takes them.
         overrides: ``{path pattern: logical axes}`` compiled (as
-            :meth:`~flax_escale.frontend.InitOptions.create` compiles them), or ``None``.
+            :meth:`~flax_escale._frontend.InitOptions.create` compiles them), or ``None``.
 
     Returns:
         The items, and a note for every pattern that matched no variable.

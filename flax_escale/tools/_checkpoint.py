@@ -20,14 +20,13 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, MeshError
-from flax_escale.mesh import _validate as check
 from flax_escale.mesh import peer_loss_as_mesh_error
-from flax_escale.sharding._paths import is_box
+from flax_escale.plan._paths import is_box
 
 __all__ = ["restore_checkpoint", "save_checkpoint"]
 
@@ -60,7 +59,7 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
     if os.path.exists(path) and not force:
         raise EscaleError(f"checkpoint directory {path!r} exists; pass force=True to overwrite.")
     tmp, old = path + _TMP, path + _OLD
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _orbax().StandardCheckpointer()
     with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
         checkpointer.save(tmp, tree, force=True)
         checkpointer.wait_until_finished()
@@ -127,7 +126,7 @@ def restore_checkpoint(
         target = _with_shardings(target, shardings)
     path = _readable_checkpoint(path)
     abstract = jax.tree.map(_abstract, target)
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _orbax().StandardCheckpointer()
     try:
         saved = checkpointer.metadata(path).item_metadata.tree
     except Exception as err:  # orbax and tensorstore raise bare exceptions
@@ -286,3 +285,11 @@ def _abstract(leaf: Any) -> Any:
             "give targets with NamedSharding (or pass shardings=)."
         )
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _orbax() -> Any:
+    # orbax.checkpoint imports about 230 modules; imported here, on the first save or restore,
+    # so that `import flax_escale` costs none of them.
+    import orbax.checkpoint
+
+    return orbax.checkpoint

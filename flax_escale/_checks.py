@@ -3,11 +3,11 @@
 Each checker takes the value and the name of the argument it came in as, returns the value in
 the form the caller works with, and otherwise raises an :class:`~flax_escale.EscaleTypeError`
 (or :class:`~flax_escale.EscaleError` for a value of the right type that cannot be right) whose
-message names the argument and the value and says what to pass instead. The mesh layer is the
-lowest layer, so every higher layer can use them.
+message names the argument and the value and says what to pass instead. They sit at the
+bottom, beside the errors, so every layer can use them.
 
 Example:
-    >>> from flax_escale.mesh import _validate as check
+    >>> from flax_escale import _checks as check
     >>> check.names(["dp", "tp"], "axis_names")
     ('dp', 'tp')
     >>> check.names("dp", "axis_names")
@@ -26,8 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh._axes import mesh_axes_of
 
 __all__ = [
     "array",
@@ -65,7 +65,7 @@ def describe(value: Any) -> str:
     """The value as error messages show it: its type and a short ``repr``.
 
     Example:
-        >>> from flax_escale.mesh._validate import describe
+        >>> from flax_escale._checks import describe
         >>> describe(0.5), describe(None)
         ('float 0.5', 'None')
     """

@@ -16,18 +16,18 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
+from flax_escale._frontend import _pipeline as pipeline
+from flax_escale._frontend._overrides import Overrides
+from flax_escale._frontend._patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
-from flax_escale.frontend import _pipeline as pipeline
-from flax_escale.frontend._overrides import Overrides
-from flax_escale.frontend._patterns import AxesPatterns
 from flax_escale.linen import _annotate as linen_annotate
 from flax_escale.linen import _init as linen_init
-from flax_escale.mesh import _validate as check
 from flax_escale.nnx import _annotate as nnx_annotate
 from flax_escale.nnx import _init as nnx_init
+from flax_escale.plan import ShardingPlan
+from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding import ShardingPlan
-from flax_escale.sharding._plan import USE_IDLE_AXES
 
 __all__ = ["front_end", "init_sharded", "lower_init", "plan_sharding", "sharded_module"]
 

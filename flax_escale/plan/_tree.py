@@ -10,9 +10,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleTypeError
-from flax_escale.mesh import _validate as check
+from flax_escale.plan._annotation import Annotation, annotated_leaves, read_annotation
+from flax_escale.plan._paths import is_box
+from flax_escale.plan._plan import build_plan
 from flax_escale.resolve import (
     RulesLike,
     as_logical_rules,
@@ -21,9 +24,6 @@ from flax_escale.resolve import (
     resolve_mesh_axes,
 )
 from flax_escale.resolve._logical import Resolver, resolver
-from flax_escale.sharding._annotation import Annotation, annotated_leaves, read_annotation
-from flax_escale.sharding._paths import is_box
-from flax_escale.sharding._plan import build_plan
 
 __all__ = ["logical_to_mesh_sharding"]
 

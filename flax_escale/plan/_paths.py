@@ -51,7 +51,7 @@ def path_of(key_path: Sequence[Any]) -> str:
 
     Example:
         >>> import jax
-        >>> from flax_escale.sharding._paths import path_of
+        >>> from flax_escale.plan._paths import path_of
         >>> leaves = jax.tree_util.tree_flatten_with_path({"a": [1, {"b": 2}]})[0]
         >>> [path_of(p) for p, _ in leaves]
         ['a/0', 'a/1/b']
@@ -69,7 +69,7 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
     Example:
         >>> import flax.linen as nn
         >>> import jax.numpy as jnp
-        >>> from flax_escale.sharding._paths import flatten_with_paths
+        >>> from flax_escale.plan._paths import flatten_with_paths
         >>> boxed = {"w": nn.LogicallyPartitioned(jnp.ones((2, 4)), ("embed", "mlp"))}
         >>> items, _ = flatten_with_paths({"params": boxed})
         >>> [(path, value.shape) for path, value, _ in items]

@@ -116,7 +116,7 @@ def program_costs(program: Any) -> ProgramCosts:
         mesh-axes form; empty means every device of the program).
 
     Example:
-        >>> from flax_escale._hlo import program_costs
+        >>> from flax_escale.planning._hlo import program_costs
         >>> costs = program_costs('''
         ... HloModule m, num_partitions=4
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -159,7 +159,7 @@ def collective_bytes(program: Any) -> dict[str, int]:
         :func:`program_costs` counts them.
 
     Example:
-        >>> from flax_escale._hlo import collective_bytes
+        >>> from flax_escale.planning._hlo import collective_bytes
         >>> collective_bytes('''
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
         ...   %ag = f32[64]{0} all-gather(%x), dimensions={0}

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
-from flax_escale.mesh import _validate as check
+from flax_escale.plan._annotation import Annotation
 from flax_escale.resolve import (
     Completion,
     Resolution,
@@ -28,9 +30,8 @@ from flax_escale.resolve import (
     complete_spec,
     resolve_mesh_axes,
 )
-from flax_escale.resolve._fit import Correction, mesh_axes_of
+from flax_escale.resolve._fit import Correction
 from flax_escale.resolve._logical import resolve_checked
-from flax_escale.sharding._annotation import Annotation
 
 __all__ = [
     "IDLE_AXES_MIN_BYTES",

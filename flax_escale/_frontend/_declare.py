@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from flax_escale.frontend._patterns import AxesPatterns
+from flax_escale._frontend._patterns import AxesPatterns
 
 __all__ = ["DeclaringMixin", "Install", "declarations_version", "declare", "record"]
 

@@ -17,10 +17,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError
-from flax_escale.mesh import _validate as check
-from flax_escale.resolve._fit import mesh_axes_of
-from flax_escale.sharding._paths import flatten_with_paths
+from flax_escale.plan._paths import flatten_with_paths
 
 __all__ = [
     "Followed",
@@ -148,7 +148,7 @@ def follow_shardings(
 
     Args:
         state: The state, or ``jax.eval_shape`` of it; Flax boxes and NNX variables count as
-            leaves (see :func:`~flax_escale.sharding._paths.flatten_with_paths`), so paths read
+            leaves (see :func:`~flax_escale.plan._paths.flatten_with_paths`), so paths read
             like ``0/mu/wi/kernel`` or, in an NNX optimizer, ``opt_state/0/mu/wi/kernel``.
         params: ``(path, shape, sharding)`` per parameter, paths ``/``-joined like
             ``wi/kernel``.
@@ -166,7 +166,7 @@ def follow_shardings(
         >>> import jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.sharding._optimizer import follow_shardings
+        >>> from flax_escale.plan._optimizer import follow_shardings
         >>> mesh = create_mesh((2, 4, 1, 1, 1))
         >>> kernel = NamedSharding(mesh, PartitionSpec("fsdp", None))
         >>> state = {"mu": {"wi": {"kernel": jnp.zeros((8, 16))}}, "count": jnp.zeros(())}
@@ -229,7 +229,7 @@ def add_data_axes(
 
     Example:
         >>> from jax.sharding import PartitionSpec
-        >>> from flax_escale.sharding._optimizer import add_data_axes
+        >>> from flax_escale.plan._optimizer import add_data_axes
         >>> add_data_axes(PartitionSpec("fsdp"), (8, 6), ("dp",), {"fsdp": 4, "dp": 2})
         P(('fsdp', 'dp'), None)
         >>> add_data_axes(PartitionSpec("fsdp"), (4, 6), ("dp",), {"fsdp": 4, "dp": 2})
@@ -294,7 +294,7 @@ def follow_params(
         ``None`` if it inherits nothing), or ``None`` if it tracks no parameter.
 
     Example:
-        >>> from flax_escale.sharding._optimizer import follow_params
+        >>> from flax_escale.plan._optimizer import follow_params
         >>> params = [("embed", (16, 16), ("vocab", "hidden_state")), ("bias", (16,), ("tp",))]
         >>> state = [("0/v_row/embed", (16,)), ("0/v_col/embed", (16,)),
         ...          ("0/v/bias", (16,)), ("0/v_row/bias", (1,)), ("0/count", ())]
@@ -361,7 +361,7 @@ class _ParamLookup(Generic[T]):
     parameter with the empty path (params that are one array) ends every path.
 
     Example:
-        >>> from flax_escale.sharding._optimizer import _ParamLookup
+        >>> from flax_escale.plan._optimizer import _ParamLookup
         >>> lookup = _ParamLookup([(("p", "up", "w"), "up"), (("p", "down", "w"), "down")])
         >>> lookup.match(("opt_state", "w")) is None  # "w" ends both paths: it names neither
         True

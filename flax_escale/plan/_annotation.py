@@ -24,11 +24,11 @@ from flax import nnx
 from flax.linen import partitioning
 from jax.sharding import NamedSharding
 
+from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules
-from flax_escale.mesh import _validate as check
+from flax_escale.plan._optimizer import follow_params
+from flax_escale.plan._paths import flatten_with_paths, path_of
 from flax_escale.resolve import as_logical_rules
-from flax_escale.sharding._optimizer import follow_params
-from flax_escale.sharding._paths import flatten_with_paths, path_of
 
 __all__ = ["LOGICAL_AXES", "Annotation", "annotated_leaves", "arrays_only", "read_annotation"]
 
@@ -107,7 +107,7 @@ def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | Non
     Example:
         >>> import flax.linen as nn
         >>> import jax.numpy as jnp
-        >>> from flax_escale.sharding import read_annotation
+        >>> from flax_escale.plan import read_annotation
         >>> box = nn.LogicallyPartitioned(jnp.zeros((8, 4)), ("embed", "mlp"))
         >>> read_annotation(box).logical_axes
         ('embed', 'mlp')
@@ -154,7 +154,7 @@ def annotated_leaves(
 
     ``tree`` may be Linen variables (boxed, or plain with a ``params_axes`` collection from
     ``param_with_axes``), a train state, NNX modules, optimizers or states, or any pytree
-    of those. Boxes count as leaves (see :func:`~flax_escale.sharding._paths.flatten_with_paths`).
+    of those. Boxes count as leaves (see :func:`~flax_escale.plan._paths.flatten_with_paths`).
     A leaf under an ``opt_state`` (a train state's or an ``nnx.Optimizer``'s) follows the
     parameter it tracks, whose annotation optax and NNX copy onto it whatever its shape (and
     which it lacks when the names are in ``params_axes``): it keeps the names of the dimensions
@@ -177,7 +177,7 @@ def annotated_leaves(
     Example:
         >>> import jax.numpy as jnp
         >>> from flax.linen import partitioning
-        >>> from flax_escale.sharding import annotated_leaves
+        >>> from flax_escale.plan import annotated_leaves
         >>> variables = {"params": {"w": jnp.zeros((8, 4))},
         ...              "params_axes": {"w_axes": partitioning.AxisMetadata(("embed", "mlp"))}}
         >>> _, items = annotated_leaves(variables)

@@ -17,9 +17,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale import _checks as check
+from flax_escale._specs import without_unit_explicit_axes
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.mesh import _validate as check
-from flax_escale.mesh._axes import without_unit_explicit_axes
 from flax_escale.resolve import LogicalAxes, Resolution, RulesLike, enforce, resolve_logical_axes
 
 __all__ = ["batch_sharding", "global_to_host_local", "host_local_to_global", "process_batch_slice"]

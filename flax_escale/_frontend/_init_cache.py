@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 
 from flax_escale._compat import jax_trace_context
-from flax_escale.frontend._declare import declarations_version
+from flax_escale._frontend._declare import declarations_version
 
 __all__ = ["CompiledInit", "InitCacheInfo", "clear_init_cache", "init_cache_info", "run_cached"]
 

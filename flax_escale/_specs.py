@@ -8,17 +8,16 @@ everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from jax.sharding import AxisType, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError
 
-__all__ = ["MeshAxisNames", "mesh_axes_of", "without_unit_explicit_axes"]
+__all__ = ["MeshAxes", "mesh_axes_of", "without_unit_explicit_axes"]
 
-MeshAxisNames = str | Sequence[str] | None
-"""One mesh axis name, several (their sizes multiply), or ``None`` (no axis, size 1)."""
+MeshAxes: TypeAlias = str | tuple[str, ...] | None
+"""Where one array dimension goes: a mesh axis, several (sharded over their product), or none."""
 
 
 def mesh_axes_of(entry: Any, *, argument: str = "a PartitionSpec entry") -> tuple[str, ...]:
@@ -38,7 +37,7 @@ def mesh_axes_of(entry: Any, *, argument: str = "a PartitionSpec entry") -> tupl
         EscaleTypeError: For anything else, naming ``argument`` and the value.
 
     Example:
-        >>> from flax_escale.mesh._axes import mesh_axes_of
+        >>> from flax_escale._specs import mesh_axes_of
         >>> mesh_axes_of(("fsdp", "sp")), mesh_axes_of("tp"), mesh_axes_of(None)
         (('fsdp', 'sp'), ('tp',), ())
         >>> mesh_axes_of(3, argument="axis_names")
@@ -68,7 +67,7 @@ def without_unit_explicit_axes(spec: PartitionSpec, mesh: Any) -> PartitionSpec:
     Example:
         >>> from jax.sharding import PartitionSpec as P
         >>> from flax_escale import create_mesh
-        >>> from flax_escale.mesh._axes import without_unit_explicit_axes
+        >>> from flax_escale._specs import without_unit_explicit_axes
         >>> mesh = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
         >>> without_unit_explicit_axes(P(("fsdp", "dp"), "sp"), mesh)
         P('fsdp', None)

@@ -54,7 +54,7 @@ def process_environment(
         Variable names and values.
 
     Example:
-        >>> from flax_escale._launch import process_environment
+        >>> from flax_escale.tools._launch import process_environment
         >>> process_environment(1, 2, "127.0.0.1:12355", 4)["FLAX_ESCALE_PROCESS_ID"]
         '1'
     """
@@ -153,7 +153,7 @@ def free_port() -> int:
         The port number.
 
     Example:
-        >>> from flax_escale._launch import free_port
+        >>> from flax_escale.tools._launch import free_port
         >>> 0 < free_port() < 65536
         True
     """

@@ -1,0 +1,40 @@
+"""Layer 6: what users run around training.
+
+The sharding report and its checks (``sharding_report``, ``check_sharded``, ``will_it_fit``),
+checkpoints restored into a layout, the multi-host data helpers and the local multi-process
+launcher (``python -m flax_escale launch``). The top level re-exports what a user reaches for.
+"""
+
+from flax_escale.tools._checkpoint import restore_checkpoint, save_checkpoint
+from flax_escale.tools._data import (
+    batch_sharding,
+    global_to_host_local,
+    host_local_to_global,
+    process_batch_slice,
+)
+from flax_escale.tools._launch import free_port, launch, process_environment
+from flax_escale.tools._memory import MemoryEstimate, will_it_fit
+from flax_escale.tools._report import (
+    ShardingReport,
+    UnshardedParameterError,
+    check_sharded,
+    sharding_report,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "ShardingReport",
+    "UnshardedParameterError",
+    "batch_sharding",
+    "check_sharded",
+    "free_port",
+    "global_to_host_local",
+    "host_local_to_global",
+    "launch",
+    "process_batch_slice",
+    "process_environment",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "sharding_report",
+    "will_it_fit",
+]

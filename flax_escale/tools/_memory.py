@@ -1,0 +1,128 @@
+"""Will it fit: a program's per-device memory, read from the compiler before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from flax_escale import _checks as check
+from flax_escale.plan._plan import format_bytes
+
+__all__ = ["MemoryEstimate", "will_it_fit"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of a compiled program, from ``compiled.memory_analysis()``.
+
+    Attributes:
+        argument_bytes: Inputs.
+        output_bytes: Outputs.
+        temp_bytes: Temporaries.
+        alias_bytes: Outputs that reuse (donated) inputs.
+        code_bytes: Generated code.
+        device_bytes: The device's memory, if known.
+        backend: The platform the program was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``):
+            temporaries depend on it. XLA's CPU backend materializes the random numbers of an
+            initializer before transforming them, where an accelerator fuses them, so an init
+            compiled for CPU needs temporaries an accelerator does not.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    code_bytes: int
+    device_bytes: int | None
+    backend: str = "unknown"
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments, outputs and temporaries, counting aliased buffers once."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the device's memory (``None`` if that is unknown)."""
+        return None if self.device_bytes is None else self.peak_bytes <= self.device_bytes
+
+    def __str__(self) -> str:
+        verdict = {None: "device memory unknown", True: "fits", False: "does NOT fit"}[self.fits]
+        return (
+            f"per {self.backend} device: arguments {format_bytes(self.argument_bytes)}, outputs "
+            f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)}, "
+            f"aliased {format_bytes(self.alias_bytes)} -> peak {format_bytes(self.peak_bytes)} "
+            f"({verdict})"
+        )
+
+
+def will_it_fit(
+    fn: Callable[..., Any] | jax.stages.Lowered | jax.stages.Compiled,
+    *args: Any,
+    device_bytes: int | None = None,
+    **kwargs: Any,
+) -> MemoryEstimate:
+    """Estimates a step's per-device memory before running it, by compiling it.
+
+    Args:
+        fn: A ``jax.jit`` function (lowered with ``*args``), a plain function (jitted first),
+            or an already lowered or compiled program.
+        *args: Example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
+        device_bytes: The memory of one device; defaults to what the device reports, if any.
+        **kwargs: Keyword arguments for lowering.
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Raises:
+        EscaleTypeError: If ``fn`` is not a function (a name, say) or ``device_bytes`` is not a
+            positive int (``EscaleError`` for one below 1).
+
+    Example:
+        >>> import jax
+        >>> import numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> from flax_escale import create_mesh, will_it_fit
+        >>> mesh = create_mesh((1, 8, 1, 1, 1))
+        >>> fsdp = NamedSharding(mesh, PartitionSpec("fsdp"))
+        >>> x = jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=fsdp)
+        >>> estimate = will_it_fit(lambda x: x * 2, x, device_bytes=1 << 20)
+        >>> estimate.argument_bytes, estimate.output_bytes, estimate.fits
+        (131072, 131072, True)
+    """
+    if not isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
+        check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
+    if device_bytes is not None:
+        device_bytes = check.positive_int(device_bytes, "device_bytes")
+    if isinstance(fn, jax.stages.Compiled):
+        compiled = fn
+    elif isinstance(fn, jax.stages.Lowered):
+        compiled = fn.compile()
+    else:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        compiled = jitted.lower(*args, **kwargs).compile()
+    analysis = compiled.memory_analysis()
+    device = _device_of(compiled)
+    if device_bytes is None:
+        stats = device.memory_stats() or {}
+        device_bytes = stats.get("bytes_limit")
+    return MemoryEstimate(
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        alias_bytes=int(analysis.alias_size_in_bytes),
+        code_bytes=int(analysis.generated_code_size_in_bytes),
+        device_bytes=device_bytes,
+        backend=device.platform,
+    )
+
+
+def _device_of(compiled: jax.stages.Compiled) -> jax.Device:
+    # A device the program runs on, from its shardings (the default device for none).
+    for sharding in jax.tree.leaves((compiled.output_shardings, compiled.input_shardings)):
+        if isinstance(sharding, jax.sharding.Sharding):
+            return next(iter(sharding.device_set))
+    return jax.devices()[0]
