@@ -141,8 +141,8 @@ def test_mesh_axes_of_refuses_anything_else_naming_the_argument(entry, got):
 
 
 def test_every_module_reads_entries_with_the_one_function():
-    from flax_escale.eformer import _mesh as eformer_mesh
     from flax_escale import _specs as axes
+    from flax_escale.eformer import _mesh as eformer_mesh
     from flax_escale.resolve import _fit as fit
     from flax_escale.t5x import _chunks as chunks
 
