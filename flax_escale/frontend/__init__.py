@@ -5,6 +5,7 @@ What a user reaches for is at the top level (``sharded_module``, ``init_sharded`
 names this package exported still work for one release, with a ``DeprecationWarning``.
 """
 
+from flax_escale import _frontend as _private
 from flax_escale._moved import moved_names as _moved_names
 
 __all__: list[str] = []
@@ -13,16 +14,6 @@ __getattr__ = _moved_names(
     __name__,
     {
         name: f"flax_escale._frontend.{name}; the front ends' machinery is private now"
-        for name in (
-            "AxesPatterns",
-            "DeclaringMixin",
-            "InitOptions",
-            "Install",
-            "Overrides",
-            "apply_overrides",
-            "declare",
-            "record",
-            "unused_pattern_note",
-        )
+        for name in _private.__all__
     },
 )
