@@ -74,19 +74,33 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         help="rank the meshes of N devices for a workload by memory and step time",
         description=(
             "Compile the workload that FACTORY returns (a flax_escale.planning.Workload) on "
-            "every candidate mesh of DEVICES simulated CPU devices, ahead of time, and print "
+            "every candidate mesh of DEVICES simulated CPU devices (or of a TPU slice, with "
+            "the TPU compiler: --target v5p-128), ahead of time, and print "
             "the meshes ranked: per-device peak memory against the budget, collective bytes "
             "per step, estimated step time on the hardware profile, and the create_mesh call "
             "of the best one."
         ),
     )
     parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
-    parser.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    parser.add_argument(
+        "--devices", type=int, default=None, help="devices to plan for (a TPU slice: its chips)"
+    )
+    parser.add_argument(
+        "--target",
+        default="cpu",
+        help="whose compiler: cpu (simulated devices, the default), a TPU slice such as "
+        "v5e-256 or v5p-128, or a topology such as v5e:2x4 (needs libtpu, no TPU)",
+    )
+    parser.add_argument(
+        "--slices", type=int, default=1, help="TPU slices over DCN, dp spanning them"
+    )
     parser.add_argument(
         "--memory", default=None, help="per-device budget, like 16GiB (default: the profile's)"
     )
     parser.add_argument(
-        "--profile", default="h100", help=f"hardware profile: {', '.join(PROFILES)} (default h100)"
+        "--profile",
+        default=None,
+        help=f"hardware profile: {', '.join(PROFILES)} (default: the TPU's, else h100)",
     )
     parser.add_argument("--flops", type=float, help="custom profile: peak FLOP/s per device")
     parser.add_argument(
@@ -106,7 +120,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    profile: str | planning.HardwareProfile = args.profile
+    profile: str | planning.HardwareProfile | None = args.profile
     if args.flops is not None or args.bandwidth is not None:
         if args.flops is None or args.bandwidth is None:
             raise EscaleError("plan: a custom profile needs both --flops and --bandwidth.")
@@ -122,6 +136,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan = planning.plan_mesh(
         args.workload,
         devices=args.devices,
+        target=args.target,
+        slices=args.slices,
         memory=args.memory,
         profile=profile,
         axes=args.axes.split(",") if args.axes else None,

@@ -670,7 +670,7 @@ def test_more_devices_than_this_process_has_are_planned_in_a_child(cases, monkey
     )
     assert jax.device_count() == 8
     assert plan.devices == 16
-    assert plan.backend == "cpu x 16 simulated devices"
+    assert plan.backend == "XLA:CPU, 16 simulated devices"
     assert sorted(c.dims for c in plan.candidates) == sorted(
         tuple(s.values()) for s in mesh_shapes(16, AXES)
     )

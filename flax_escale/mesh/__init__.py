@@ -1,4 +1,4 @@
-"""Layer 1: device meshes and the current mesh."""
+"""Layer 1: device meshes, the devices they are built from, and the current mesh."""
 
 from flax_escale._moved import moved_names as _moved_names
 from flax_escale.mesh._agreement import assert_same_mesh
@@ -15,12 +15,15 @@ from flax_escale.mesh._creation import (
 from flax_escale.mesh._distributed import initialize_distributed, peer_loss_as_mesh_error
 from flax_escale.mesh._parse import parse_mesh_from_string, parse_mesh_shape
 from flax_escale.mesh._shape import calculate_host_mesh_shape, resolve_axis_dims
+from flax_escale.mesh._target import TPU_GENERATIONS, Target
 
 __all__ = [
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
+    "TPU_GENERATIONS",
     "AxisTypeLike",
     "ClusterInfo",
+    "Target",
     "assert_same_mesh",
     "calculate_host_mesh_shape",
     "cpu_context",

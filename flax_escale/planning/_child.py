@@ -1,7 +1,8 @@
 """The child process in which :func:`~flax_escale.planning.plan_mesh` has more devices.
 
 Started as ``python -m flax_escale.planning._child`` with the request as JSON on standard
-input; it gives itself the requested number of simulated CPU devices before JAX starts,
+input; it stays on the CPU platform and, for a CPU target, gives itself the requested number of
+simulated CPU devices before JAX starts,
 builds the workload from its reference, and writes each event of the evaluation as one line of
 standard output (prefixed, so that the workload's own prints pass through).
 """
@@ -18,9 +19,14 @@ def main() -> int:
     request = json.loads(sys.stdin.read())
     import jax
 
-    # Before anything starts a backend: this process exists to have this many devices.
+    from flax_escale.mesh import Target
+
+    target = Target(**request["target"])
+    # Before anything starts a backend: no accelerator is started, and a CPU target's devices
+    # are what this process exists to have.
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", request["devices"])
+    if target.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", target.device_count)
 
     from flax_escale.planning._evaluate import evaluate
     from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
@@ -33,7 +39,7 @@ def main() -> int:
     report({"event": "rules", "rules": rules})
     evaluate(
         workload,
-        jax.devices("cpu")[: request["devices"]],
+        target,
         memory_bytes=request["memory_bytes"],
         axes=request["axes"],
         time_budget=request["time_budget"],

@@ -16,7 +16,7 @@ import jaxlib
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
-from flax_escale.mesh import DEFAULT_AXIS_NAMES, create_mesh
+from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target
 from flax_escale.plan import ShardingPlan
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
 from flax_escale.planning._hlo import program_costs
@@ -26,10 +26,6 @@ from flax_escale.tools._data import batch_resolution
 from flax_escale.tools._memory import will_it_fit
 
 __all__ = ["Figures", "evaluate"]
-
-# LLVM's optimization of the generated CPU code is what the planner needs least: memory
-# (buffer assignment), FLOPs and collectives are fixed before it, and it is ~40% of a compile.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 Report = Callable[[dict[str, Any]], None]
 
@@ -79,7 +75,7 @@ class Figures:
 
 def evaluate(
     workload: Workload,
-    devices: Sequence[jax.Device],
+    target: Target,
     *,
     memory_bytes: int,
     axes: Sequence[str] | None = None,
@@ -87,19 +83,25 @@ def evaluate(
     cache_dir: Path | None = None,
     report: Report = lambda event: None,
 ) -> list[Figures]:
-    """Plans, prunes and compiles the workload on every mesh of ``devices``.
+    """Plans, prunes and compiles the workload on every mesh of the target's devices.
+
+    Over several slices, only meshes whose data-parallel axis spans the slices are planned.
 
     ``report`` receives ``{"event": "start", "total": n}`` (meshes to compile), then
     ``{"event": "figures", "figures": ...}`` for every mesh, in order.
     """
     start = time.perf_counter()
     if axes is None:
-        axes = PLANNED_AXES + (("ep",) if _has_experts(workload, devices) else ())
-    shapes = mesh_shapes(len(devices), axes)
+        axes = PLANNED_AXES + (("ep",) if _has_experts(workload, target) else ())
+    shapes = [
+        shape
+        for shape in mesh_shapes(target.device_count, axes)
+        if shape[DEFAULT_AXIS_NAMES[0]] % target.slices == 0
+    ]
     ruled_out: list[Figures] = []
     kept: list[tuple[dict[str, int], Any, ShardingPlan, tuple[str, ...]]] = []
     for shape in shapes:
-        mesh = create_mesh(tuple(shape[a] for a in DEFAULT_AXIS_NAMES), devices=list(devices))
+        mesh = target.mesh(tuple(shape[a] for a in DEFAULT_AXIS_NAMES))
         reason, plan, corrections = _prune(workload, mesh)
         if reason:
             ruled_out.append(Figures(shape, "pruned", reason, corrections))
@@ -116,17 +118,19 @@ def evaluate(
                 shape, "skipped", f"the time budget of {time_budget:g} s was spent", corrections
             )
         else:
-            figures = _compile(workload, shape, mesh, plan, corrections, memory_bytes, cache_dir)
+            figures = _compile(
+                workload, target, shape, mesh, plan, corrections, memory_bytes, cache_dir
+            )
         results.append(figures)
         report({"event": "figures", "figures": figures.as_json()})
     return [*ruled_out, *results]
 
 
-def _has_experts(workload: Workload, devices: Sequence[jax.Device]) -> bool:
+def _has_experts(workload: Workload, target: Target) -> bool:
     expert_names = {
         name for name, axes in as_logical_rules(workload.rules) if "ep" in mesh_axes_of(axes)
     }
-    mesh = create_mesh((1, len(devices), 1, 1, 1), devices=list(devices))
+    mesh = target.mesh((target.device_count, 1, 1, 1, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingCorrectionWarning)  # only the names matter
         plan = workload.plan(mesh)
@@ -171,6 +175,7 @@ def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tup
 
 def _compile(
     workload: Workload,
+    target: Target,
     shape: dict[str, int],
     mesh: Any,
     plan: ShardingPlan,
@@ -193,7 +198,7 @@ def _compile(
             corrections,
             state_bytes=programs.state_bytes,
         )
-    key = _cache_key(programs.init.as_text(), programs.step.as_text())
+    key = _cache_key(target.label, programs.init.as_text(), programs.step.as_text())
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(
@@ -203,8 +208,18 @@ def _compile(
             compile_seconds=0.0,
             cached=True,
         )
-    init = programs.init.compile(compiler_options=COMPILER_OPTIONS)
-    step = programs.step.compile(compiler_options=COMPILER_OPTIONS)
+    try:
+        init = programs.init.compile(compiler_options=target.compiler_options)
+        step = programs.step.compile(compiler_options=target.compiler_options)
+    except jax.errors.JaxRuntimeError as error:
+        # The target's compiler refused the program (out of memory on the chip, say): that
+        # mesh is reported with the compiler's own words.
+        return Figures(
+            shape,
+            "failed",
+            f"the {target.platform.upper()} compiler refused it: {error}",
+            corrections,
+        )
     costs = program_costs(step)
     analysis = step.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis

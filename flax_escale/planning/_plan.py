@@ -28,6 +28,7 @@ from rich.progress import (
 from flax_escale import _checks as check
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.mesh import Target
 from flax_escale.planning._evaluate import Figures, evaluate
 from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
 from flax_escale.planning._result import MeshPlan
@@ -49,9 +50,11 @@ Factory = Callable[[], Workload]
 def plan_mesh(
     workload: Workload | Factory | str,
     *,
-    devices: int,
+    devices: int | None = None,
+    target: str | Target = "cpu",
+    slices: int = 1,
     memory: int | str | None = None,
-    profile: str | HardwareProfile = "h100",
+    profile: str | HardwareProfile | None = None,
     axes: Sequence[str] | None = None,
     time_budget: float | None = None,
     cache: bool | str | os.PathLike[str] = True,
@@ -63,25 +66,35 @@ def plan_mesh(
     and pruned when it cannot run as asked (the batch does not divide over its data axes) or
     when an axis of it would split nothing (those devices would only repeat the work). Each
     remaining mesh's sharded init and training step are compiled ahead of time, nothing
-    allocated, on simulated CPU devices; the figures are read from the compiled programs:
+    allocated, by the target's compiler: XLA's CPU compiler on simulated devices (the
+    default), or the TPU compiler for a TPU slice described by JAX (``target="v5p-128"``; no
+    TPU is needed, only ``libtpu``: ``pip install "flax-escale[tpu]"``). The figures are read
+    from the compiled programs:
     per-device peak memory (``memory_analysis()``, temporaries included), FLOPs and the bytes
     each collective moves per step (loop trips counted). A mesh whose train state alone
     exceeds the budget is not compiled. The meshes that fit are ranked by an estimated step
     time on ``profile`` (:data:`~flax_escale.planning.ESTIMATE_TERMS` says which terms).
 
-    More devices than this process has are planned in a child process started with that
-    many simulated CPU devices (this process's JAX is untouched); the workload then has to be
+    More simulated devices than this process has, or a TPU target while this process's JAX
+    runs on an accelerator, are planned in a child process on the CPU platform (this
+    process's JAX is untouched, and no accelerator is started); the workload then has to be
     importable by the child: pass its factory as ``"module:function"`` (or
     ``"path/to/file.py:function"``) or as a module-level function.
 
     Args:
         workload: A :class:`Workload`, or a function without arguments returning one, or its
             ``"module:function"`` reference.
-        devices: N, the devices to plan for.
+        devices: N, the devices to plan for; for a TPU target, optional (the slice's chips).
+        target: Whose compiler compiles the candidates: ``"cpu"`` (simulated CPU devices), a
+            TPU slice such as ``"v5e-256"`` or ``"v5p-128"``, a topology such as
+            ``"v5e:2x4"``, or a :class:`~flax_escale.mesh.Target`.
+        slices: TPU slices joined over the data-center network; data parallelism (``dp``)
+            spans them, so only meshes whose ``dp`` is a multiple of ``slices`` are planned.
         memory: One device's memory budget: bytes, or a size like ``"16GiB"``. Defaults to
-            the profile's memory.
+            the TPU chip's memory, then to the profile's.
         profile: A hardware profile or the name of a built-in one
-            (:data:`~flax_escale.planning.PROFILES`).
+            (:data:`~flax_escale.planning.PROFILES`); defaults to the TPU chip's, and to
+            ``"h100"`` for the CPU simulation.
         axes: The mesh axes to spread the devices over; defaults to ``dp, fsdp, tp, sp`` and
             ``ep`` when a variable has a logical axis the rules map to ``ep``.
         time_budget: Seconds; once spent, the meshes not yet compiled are reported as
@@ -101,13 +114,14 @@ def plan_mesh(
         EscaleTypeError: For arguments of the wrong type, or a workload the child process
             could not import.
     """
-    devices = check.positive_int(devices, "devices")
-    profile = hardware_profile(profile)
-    if memory is None and profile.memory_bytes is None:
+    chosen = Target.named(target, devices=devices, slices=slices)
+    profile = hardware_profile(profile if profile is not None else chosen.profile or "h100")
+    memory = next((m for m in (memory, chosen.memory_bytes, profile.memory_bytes) if m), None)
+    if memory is None:
         raise EscaleError(
             f"memory: the profile {profile.name!r} has no memory size; pass memory='16GiB'."
         )
-    memory_bytes = parse_bytes(memory if memory is not None else profile.memory_bytes, "memory")
+    memory_bytes = parse_bytes(memory, "memory")
     if axes is not None:
         axes = check.names(axes, "axes")
     if time_budget is not None:
@@ -115,8 +129,9 @@ def plan_mesh(
     cache_dir = _cache_dir(cache)
     console = progress if isinstance(progress, Console) else Console(stderr=True)
     shown = progress is not False
+    devices = chosen.device_count
     request = {
-        "devices": devices,
+        "target": chosen.as_json(),
         "memory_bytes": memory_bytes,
         "axes": list(axes) if axes is not None else None,
         "time_budget": time_budget,
@@ -124,11 +139,11 @@ def plan_mesh(
     }
     start = time.perf_counter()
     with _Events(console, shown, devices, time_budget) as events:
-        if devices <= len(jax.devices("cpu")):
+        if _in_this_process(chosen):
             built = _build(workload)
             figures = evaluate(
                 built,
-                jax.devices("cpu")[:devices],
+                chosen,
                 memory_bytes=memory_bytes,
                 axes=axes,
                 time_budget=time_budget,
@@ -147,8 +162,16 @@ def plan_mesh(
         rules=frozen_rules(built.rules) if built is not None else events.rules,
         seconds=time.perf_counter() - start,
         time_budget=time_budget,
-        backend=f"cpu x {devices} simulated devices",
+        backend=chosen.label,
     )
+
+
+def _in_this_process(target: Target) -> bool:
+    # Simulated devices this process has, or a TPU description while JAX runs on the CPU
+    # here: anything else is compiled in a child process on the CPU platform.
+    if target.platform == "cpu":
+        return target.device_count <= len(jax.devices("cpu"))
+    return jax.default_backend() == "cpu"
 
 
 def load_factory(reference: str) -> Factory:
@@ -230,7 +253,8 @@ def _reference(workload: Workload | Factory | str) -> str:
             return f"{main}:{name}"
     raise EscaleTypeError(
         f"workload: planning more devices than this process has ({len(jax.devices('cpu'))} "
-        "CPU devices) compiles in a child process, which has to build the workload itself; "
+        "CPU devices), or a TPU target beside an accelerator, compiles in a child process, "
+        "which has to build the workload itself; "
         "pass a module-level function returning the Workload, or its 'module:function' "
         f"reference, rather than {check.describe(workload)}."
     )
@@ -330,6 +354,6 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
     if code != 0:
         tail = "".join(errors[-20:]).strip()
         raise EscaleError(
-            f"planning {request['devices']} devices of {reference!r} failed in the child process "
+            f"planning {request['target']['name']} for {reference!r} failed in the child process "
             f"(exit code {code}):\n{tail}"
         )

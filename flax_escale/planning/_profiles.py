@@ -75,8 +75,10 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("NVIDIA H100 SXM", 989e12, 450e9, 10e-6, 80 * 10**9, 3.35e12),
     "h200": HardwareProfile("NVIDIA H200 SXM", 989e12, 450e9, 10e-6, 141 * 10**9, 4.8e12),
     "a100": HardwareProfile("NVIDIA A100 SXM 80GB", 312e12, 300e9, 10e-6, 80 * 10**9, 2.04e12),
+    "tpu-v4": HardwareProfile("Google TPU v4", 275e12, 270e9, 5e-6, 32 * 2**30, 1.2e12),
     "tpu-v5e": HardwareProfile("Google TPU v5e", 197e12, 200e9, 5e-6, 16 * 10**9, 819e9),
     "tpu-v5p": HardwareProfile("Google TPU v5p", 459e12, 600e9, 5e-6, 95 * 10**9, 2.765e12),
+    "tpu-v6e": HardwareProfile("Google TPU v6e", 918e12, 360e9, 5e-6, 32 * 10**9, 1.64e12),
 }
 """The built-in profiles by name (``--profile NAME`` on the command line)."""
 

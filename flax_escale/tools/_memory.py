@@ -7,8 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding
 
 from flax_escale import _checks as check
+from flax_escale.errors import EscaleError
+from flax_escale.mesh import Target
 from flax_escale.plan._plan import format_bytes
 
 __all__ = ["MemoryEstimate", "will_it_fit"]
@@ -63,6 +66,7 @@ def will_it_fit(
     fn: Callable[..., Any] | jax.stages.Lowered | jax.stages.Compiled,
     *args: Any,
     device_bytes: int | None = None,
+    target: str | Target | None = None,
     **kwargs: Any,
 ) -> MemoryEstimate:
     """Estimates a step's per-device memory before running it, by compiling it.
@@ -71,7 +75,14 @@ def will_it_fit(
         fn: A ``jax.jit`` function (lowered with ``*args``), a plain function (jitted first),
             or an already lowered or compiled program.
         *args: Example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
-        device_bytes: The memory of one device; defaults to what the device reports, if any.
+        device_bytes: The memory of one device; defaults to the target chip's, then to what
+            the device reports, if any.
+        target: Compile for other hardware than the arguments live on: a TPU slice such as
+            ``"v5e-8"`` or a :class:`~flax_escale.mesh.Target` (``libtpu`` needed, no TPU). The
+            arguments' ``NamedSharding`` meshes move onto a mesh of the target's devices with
+            the same axes, so a step laid out on simulated CPU devices is measured as the TPU
+            compiler builds it; the mesh must have the target's device count. With a program
+            already lowered or compiled, only the target's memory is used.
         **kwargs: Keyword arguments for lowering.
 
     Returns:
@@ -80,6 +91,8 @@ def will_it_fit(
     Raises:
         EscaleTypeError: If ``fn`` is not a function (a name, say) or ``device_bytes`` is not a
             positive int (``EscaleError`` for one below 1).
+        EscaleError: If an argument's mesh does not have the target's device count, or
+            ``libtpu`` is missing for a TPU target.
 
     Example:
         >>> import jax
@@ -97,6 +110,12 @@ def will_it_fit(
         check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
     if device_bytes is not None:
         device_bytes = check.positive_int(device_bytes, "device_bytes")
+    if target is not None:
+        target = Target.named(target)
+        if device_bytes is None:
+            device_bytes = target.memory_bytes
+        if target.platform != "cpu":
+            args, kwargs = _on_target((args, kwargs), target)
     if isinstance(fn, jax.stages.Compiled):
         compiled = fn
     elif isinstance(fn, jax.stages.Lowered):
@@ -107,8 +126,7 @@ def will_it_fit(
     analysis = compiled.memory_analysis()
     device = _device_of(compiled)
     if device_bytes is None:
-        stats = device.memory_stats() or {}
-        device_bytes = stats.get("bytes_limit")
+        device_bytes = _bytes_limit(device)
     return MemoryEstimate(
         argument_bytes=int(analysis.argument_size_in_bytes),
         output_bytes=int(analysis.output_size_in_bytes),
@@ -126,3 +144,38 @@ def _device_of(compiled: jax.stages.Compiled) -> jax.Device:
         if isinstance(sharding, jax.sharding.Sharding):
             return next(iter(sharding.device_set))
     return jax.devices()[0]
+
+
+def _bytes_limit(device: jax.Device) -> int | None:
+    # A device of a topology description (a TPU slice compiled for from elsewhere) is not
+    # addressable, and JAX refuses to report its memory.
+    try:
+        stats = device.memory_stats() or {}
+    except jax.errors.JaxRuntimeError:
+        return None
+    return stats.get("bytes_limit")
+
+
+def _on_target(tree: Any, target: Target) -> Any:
+    meshes: dict[Mesh, Mesh] = {}
+
+    def moved(leaf: Any) -> Any:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return leaf
+        mesh = sharding.mesh
+        if mesh not in meshes:
+            if mesh.size != target.device_count:
+                raise EscaleError(
+                    f"target {target.name!r} has {target.device_count} devices but an argument "
+                    f"is laid out on a mesh of {mesh.size} ({dict(mesh.shape)}); lay the "
+                    f"arguments out on a mesh of {target.device_count} devices."
+                )
+            meshes[mesh] = target.mesh(
+                tuple(mesh.shape.values()), tuple(mesh.axis_names), axis_types=mesh.axis_types
+            )
+        return jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=NamedSharding(meshes[mesh], sharding.spec)
+        )
+
+    return jax.tree.map(moved, tree)
