@@ -84,8 +84,10 @@ EXPECTED = {
     "flax_escale.mesh": [
         "DEFAULT_AXIS_DIMS",
         "DEFAULT_AXIS_NAMES",
+        "TPU_GENERATIONS",
         "AxisTypeLike",
         "ClusterInfo",
+        "Target",
         "assert_same_mesh",
         "calculate_host_mesh_shape",
         "cpu_context",
