@@ -116,6 +116,11 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds to compile for")
     parser.add_argument("--top", type=int, default=None, help="rows to show (default all)")
     parser.add_argument("--no-cache", action="store_true", help="compile every candidate again")
+    parser.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="compile every mesh, even those their textbook communication rules out",
+    )
     parser.set_defaults(run=_run_plan)
 
 
@@ -142,6 +147,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         profile=profile,
         axes=args.axes.split(",") if args.axes else None,
         time_budget=args.time_budget,
+        exhaustive=args.exhaustive,
         cache=not args.no_cache,
         progress=Console(stderr=True),
     )

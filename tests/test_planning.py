@@ -157,6 +157,8 @@ class Cases:
                 devices=setting.devices,
                 memory=setting.memory,
                 axes=AXES,
+                # Every candidate compiled, so that every one is checked against the truth.
+                exhaustive=True,
                 cache=self.cache_dir(name),
             )
         return self.plans[name]

@@ -8,10 +8,12 @@ the slice's devices.
 
 import importlib.util
 import math
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from example_modules import load
 from flax.training.train_state import TrainState
@@ -23,8 +25,9 @@ from flax_escale import linen as fel
 from flax_escale.__main__ import main
 from flax_escale.mesh import TPU_GENERATIONS, Target
 from flax_escale.mesh import _target as target_module
+from flax_escale.planning import Workload, plan_mesh
 from flax_escale.planning import _plan as plan_module
-from flax_escale.planning import plan_mesh
+from flax_escale.planning._estimate import RULE_OUT_MARGIN
 from flax_escale.planning._hlo import program_costs
 
 pytestmark = pytest.mark.skipif(
@@ -250,3 +253,53 @@ def test_the_command_line_plans_for_a_tpu_slice_from_the_cache(gpt_plan, capsys,
     assert code == (0 if plan.best is not None else 1)
     assert "TPU compiler" in out
     assert "v5e:2x4" in out
+
+
+# --- ruled out by the textbook, never the best ------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    """A two-layer MLP annotated like a transformer's: column- then row-parallel kernels."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(8192, kernel_init=kernel(init, ("hidden_state", "mlp_intermediate")))(x)
+        return nn.Dense(2048, kernel_init=kernel(init, ("mlp_intermediate", "hidden_state")))(
+            nn.gelu(h)
+        )
+
+
+def mlp_workload(batch=64):
+    # Wide and fed a small batch: communication decides, so the floor has meshes to rule out.
+    x = jax.ShapeDtypeStruct((batch, 2048), jnp.float32)
+    return Workload(_Mlp(), jax.random.key(0), (x,), tx=optax.adam(1e-3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["v5e-8", "v5p-128"])
+def test_no_mesh_ruled_out_before_compiling_would_have_ranked_first(name, tmp_path):
+    every = plan_mesh(mlp_workload, target=name, exhaustive=True, cache=tmp_path)
+    quick = plan_mesh(mlp_workload, target=name, cache=tmp_path)
+    assert every.best is not None
+    assert quick.best.dims == every.best.dims
+    assert quick.best.step_seconds == every.best.step_seconds
+    compiled = {c.dims: c for c in every.candidates if c.figures.status == "compiled"}
+    ruled_out = [c for c in quick.candidates if c.figures.status == "ruled out"]
+    assert ruled_out, "nothing is ruled out on this workload: the test would check nothing"
+    for candidate in ruled_out:
+        truth = compiled[candidate.dims]
+        assert truth.step_seconds > every.best.step_seconds, candidate.label
+        textbook = candidate.figures.textbook_seconds
+        assert textbook > RULE_OUT_MARGIN * quick.best.step_seconds, candidate.label
+        assert f"more than {RULE_OUT_MARGIN:g} x the" in candidate.figures.reason
+    assert len([c for c in quick.candidates if c.figures.status == "compiled"]) < len(compiled)
+
+
+@pytest.mark.slow
+def test_a_compiled_row_says_what_bounds_its_step(gpt_plan):
+    _, plan, _ = gpt_plan
+    notes = plan.best.explain(plan.profile)
+    assert re.match(r"(compute|communication)-bound \(\d+%\); \S+ sends \d+% of the bytes; ", notes)
+    assert "tokens/device" in notes

@@ -8,6 +8,7 @@ ranks the meshes that fit a per-device memory budget by a step time estimated on
 """
 
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.planning._estimate import ESTIMATE_TERMS
 from flax_escale.planning._evaluate import Figures
 from flax_escale.planning._plan import load_factory, plan_mesh
 from flax_escale.planning._profiles import (
@@ -17,7 +18,7 @@ from flax_escale.planning._profiles import (
     measure_cpu_profile,
     parse_bytes,
 )
-from flax_escale.planning._result import ESTIMATE_TERMS, Candidate, MeshPlan
+from flax_escale.planning._result import Candidate, MeshPlan
 from flax_escale.planning._workload import Workload, mean_square
 
 __all__ = [

@@ -30,6 +30,7 @@ def main() -> int:
 
     from flax_escale.planning._evaluate import evaluate
     from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
+    from flax_escale.planning._profiles import HardwareProfile
 
     def report(event: dict[str, Any]) -> None:
         print(EVENT_PREFIX + json.dumps(event), flush=True)
@@ -41,6 +42,8 @@ def main() -> int:
         workload,
         target,
         memory_bytes=request["memory_bytes"],
+        profile=HardwareProfile(**request["profile"]),
+        exhaustive=request["exhaustive"],
         axes=request["axes"],
         time_budget=request["time_budget"],
         cache_dir=Path(request["cache_dir"]) if request["cache_dir"] else None,

@@ -19,7 +19,14 @@ from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target
 from flax_escale.plan import ShardingPlan
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.planning._estimate import (
+    RULE_OUT_MARGIN,
+    estimate_seconds,
+    textbook_communication,
+    tokens_per_device,
+)
 from flax_escale.planning._hlo import program_costs
+from flax_escale.planning._profiles import HardwareProfile
 from flax_escale.planning._workload import Workload, batch_shardings, lower_programs
 from flax_escale.resolve import as_logical_rules
 from flax_escale.tools._data import batch_resolution
@@ -38,7 +45,10 @@ class Figures:
         shape: ``{axis: size}`` for every axis of the library's mesh.
         status: ``"compiled"``; ``"pruned"`` (it cannot run as asked, or an axis splits
             nothing); ``"state too large"`` (the train state alone exceeds the budget, so it
-            was not compiled); ``"skipped"`` (the time budget ran out); ``"failed"``.
+            was not compiled); ``"ruled out"`` (its textbook communication alone exceeds
+            twice the best estimate already compiled, so it cannot rank first);
+            ``"skipped"`` (the time budget ran out); ``"failed"`` (the target's compiler
+            refused it, say).
         reason: Why it was not compiled, in a sentence.
         corrections: What the sharding plan had to change (``path dim N: ...``).
         state_bytes: The train state's bytes on the fullest device.
@@ -49,6 +59,9 @@ class Figures:
         collectives: ``{kind: [count, bytes, wire bytes]}`` per step on one device.
         compile_seconds: Seconds spent lowering and compiling (0 when cached).
         cached: Whether the figures came from the cache.
+        textbook_seconds: Its collectives' time when the weights travel, by the textbook
+            (:func:`~flax_escale.planning._estimate.textbook_communication`).
+        tokens_per_device: Tokens of the batch each device computes on per step.
     """
 
     shape: dict[str, int]
@@ -62,6 +75,8 @@ class Figures:
     collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     compile_seconds: float = 0.0
     cached: bool = False
+    textbook_seconds: float | None = None
+    tokens_per_device: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-ready values."""
@@ -78,6 +93,8 @@ def evaluate(
     target: Target,
     *,
     memory_bytes: int,
+    profile: HardwareProfile,
+    exhaustive: bool = False,
     axes: Sequence[str] | None = None,
     time_budget: float | None = None,
     cache_dir: Path | None = None,
@@ -86,6 +103,10 @@ def evaluate(
     """Plans, prunes and compiles the workload on every mesh of the target's devices.
 
     Over several slices, only meshes whose data-parallel axis spans the slices are planned.
+    The meshes left are compiled in the order of their textbook communication on ``profile``;
+    one whose textbook communication exceeds :data:`RULE_OUT_MARGIN` times the best estimate
+    compiled so far (of a mesh that fits) is ruled out without compiling, unless
+    ``exhaustive``.
 
     ``report`` receives ``{"event": "start", "total": n}`` (meshes to compile), then
     ``{"event": "figures", "figures": ...}`` for every mesh, in order.
@@ -99,31 +120,72 @@ def evaluate(
         if shape[DEFAULT_AXIS_NAMES[0]] % target.slices == 0
     ]
     ruled_out: list[Figures] = []
-    kept: list[tuple[dict[str, int], Any, ShardingPlan, tuple[str, ...]]] = []
+    kept: list[_Kept] = []
     for shape in shapes:
         mesh = target.mesh(tuple(shape[a] for a in DEFAULT_AXIS_NAMES))
-        reason, plan, corrections = _prune(workload, mesh)
+        reason, plan, corrections, batch_axes = _prune(workload, mesh)
         if reason:
             ruled_out.append(Figures(shape, "pruned", reason, corrections))
-        else:
-            kept.append((shape, mesh, plan, corrections))
+            continue
+        textbook, detail = textbook_communication(plan, mesh, batch_axes, profile)
+        tokens = tokens_per_device(workload.batch, batch_axes, mesh)
+        kept.append(_Kept(shape, mesh, plan, corrections, textbook, detail, tokens))
+    kept.sort(key=lambda k: k.textbook)
     report({"event": "start", "total": len(kept), "pruned": len(ruled_out)})
     results = []
     for figures in ruled_out:
         report({"event": "figures", "figures": figures.as_json()})
-    for shape, mesh, plan, corrections in kept:
+    best: tuple[float, str] | None = None  # the best estimate of a mesh that fits, and its mesh
+    for k in kept:
         spent = time.perf_counter() - start
         if time_budget is not None and spent > time_budget:
             figures = Figures(
-                shape, "skipped", f"the time budget of {time_budget:g} s was spent", corrections
+                k.shape, "skipped", f"the time budget of {time_budget:g} s was spent", k.corrections
+            )
+        elif not exhaustive and best is not None and k.textbook > RULE_OUT_MARGIN * best[0]:
+            figures = Figures(
+                k.shape,
+                "ruled out",
+                f"its collectives alone take {k.textbook * 1e3:.3g} ms by the textbook "
+                f"({k.detail}), more than {RULE_OUT_MARGIN:g} x the {best[0] * 1e3:.3g} ms "
+                f"estimated for {best[1]}",
+                k.corrections,
             )
         else:
             figures = _compile(
-                workload, target, shape, mesh, plan, corrections, memory_bytes, cache_dir
+                workload, target, k.shape, k.mesh, k.plan, k.corrections, memory_bytes, cache_dir
             )
+        figures = dataclasses.replace(
+            figures, textbook_seconds=k.textbook, tokens_per_device=k.tokens
+        )
+        if figures.status == "compiled" and _peak(figures) <= memory_bytes:
+            seconds = sum(
+                estimate_seconds(
+                    figures.flops or 0.0, figures.state_bytes or 0, figures.collectives, profile
+                )
+            )
+            if best is None or seconds < best[0]:
+                label = " ".join(f"{a}={s}" for a, s in k.shape.items() if s > 1)
+                best = (seconds, label or "one device")
         results.append(figures)
         report({"event": "figures", "figures": figures.as_json()})
     return [*ruled_out, *results]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    # A mesh that survived pruning, with its textbook communication.
+    shape: dict[str, int]
+    mesh: Any
+    plan: ShardingPlan
+    corrections: tuple[str, ...]
+    textbook: float
+    detail: str
+    tokens: float | None
+
+
+def _peak(figures: Figures) -> int:
+    return max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
 
 
 def _has_experts(workload: Workload, target: Target) -> bool:
@@ -139,7 +201,11 @@ def _has_experts(workload: Workload, target: Target) -> bool:
     )
 
 
-def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tuple[str, ...]]:
+def _prune(
+    workload: Workload, mesh: Any
+) -> tuple[str, ShardingPlan | None, tuple[str, ...], tuple[str, ...]]:
+    # Why the mesh is pruned ("" if it is not), its plan, the plan's corrections, and the mesh
+    # axes its batch is split over.
     label = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "one device"
     notes = []
     for i, x in enumerate(workload.batch):
@@ -149,7 +215,7 @@ def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tup
         if resolution.corrections:
             detail = "; ".join(c.detail for c in resolution.corrections)
             reason = f"batch[{i}] of shape {tuple(x.shape)} cannot be split on {label}: {detail}"
-            return reason, None, ()
+            return reason, None, (), ()
         notes += [f"batch[{i}]: no rule for {name!r}" for name in resolution.unknown_names]
     with warnings.catch_warnings():
         # Recorded in the plan and reported per candidate, rather than warned once per mesh.
@@ -160,8 +226,8 @@ def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tup
         f"{path} dim {c.dim} ({c.size}): {'+'.join(c.mesh_axes)} dropped ({c.kind})"
         for path, c in plan.corrections
     ) + tuple(notes)
-    used = {a for e in plan for entry in e.spec for a in mesh_axes_of(entry)}
-    used |= {a for s in batch for entry in s.spec for a in mesh_axes_of(entry)}
+    batch_axes = tuple(sorted({a for s in batch for entry in s.spec for a in mesh_axes_of(entry)}))
+    used = {a for e in plan for entry in e.spec for a in mesh_axes_of(entry)} | set(batch_axes)
     idle = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1 and a not in used]
     if idle:
         return (
@@ -169,8 +235,9 @@ def _prune(workload: Workload, mesh: Any) -> tuple[str, ShardingPlan | None, tup
             "would only repeat the work)",
             plan,
             corrections,
+            batch_axes,
         )
-    return "", plan, corrections
+    return "", plan, corrections, batch_axes
 
 
 def _compile(

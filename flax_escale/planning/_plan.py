@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -57,6 +58,7 @@ def plan_mesh(
     profile: str | HardwareProfile | None = None,
     axes: Sequence[str] | None = None,
     time_budget: float | None = None,
+    exhaustive: bool = False,
     cache: bool | str | os.PathLike[str] = True,
     progress: bool | Console = False,
 ) -> MeshPlan:
@@ -73,7 +75,12 @@ def plan_mesh(
     per-device peak memory (``memory_analysis()``, temporaries included), FLOPs and the bytes
     each collective moves per step (loop trips counted). A mesh whose train state alone
     exceeds the budget is not compiled. The meshes that fit are ranked by an estimated step
-    time on ``profile`` (:data:`~flax_escale.planning.ESTIMATE_TERMS` says which terms).
+    time on ``profile`` (:data:`~flax_escale.planning.ESTIMATE_TERMS` says which terms), each
+    with what explains it (compute- or communication-bound, the collective that dominates,
+    tokens per device against the compute-bound threshold). Meshes are compiled in the order
+    of their communication by the scaling book's counts; one whose textbook communication alone
+    exceeds twice the best estimate already compiled is ruled out without compiling (its row
+    says by how much), unless ``exhaustive``.
 
     More simulated devices than this process has, or a TPU target while this process's JAX
     runs on an accelerator, are planned in a child process on the CPU platform (this
@@ -99,6 +106,8 @@ def plan_mesh(
             ``ep`` when a variable has a logical axis the rules map to ``ep``.
         time_budget: Seconds; once spent, the meshes not yet compiled are reported as
             skipped rather than compiled.
+        exhaustive: Compile every mesh left after pruning, even those the communication
+            textbook rules out.
         cache: Keep each compiled candidate's figures on disk, keyed by its lowered programs
             and the JAX version, so a second plan does not compile again: ``True`` (under
             ``$XDG_CACHE_HOME/flax_escale/plan``), a directory, or ``False``.
@@ -126,6 +135,7 @@ def plan_mesh(
         axes = check.names(axes, "axes")
     if time_budget is not None:
         time_budget = check.non_negative_number(time_budget, "time_budget")
+    exhaustive = check.flag(exhaustive, "exhaustive")
     cache_dir = _cache_dir(cache)
     console = progress if isinstance(progress, Console) else Console(stderr=True)
     shown = progress is not False
@@ -135,6 +145,8 @@ def plan_mesh(
         "memory_bytes": memory_bytes,
         "axes": list(axes) if axes is not None else None,
         "time_budget": time_budget,
+        "exhaustive": exhaustive,
+        "profile": dataclasses.asdict(profile),
         "cache_dir": str(cache_dir) if cache_dir is not None else None,
     }
     start = time.perf_counter()
@@ -145,6 +157,8 @@ def plan_mesh(
                 built,
                 chosen,
                 memory_bytes=memory_bytes,
+                profile=profile,
+                exhaustive=exhaustive,
                 axes=axes,
                 time_budget=time_budget,
                 cache_dir=cache_dir,

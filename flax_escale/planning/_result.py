@@ -12,18 +12,11 @@ from rich.text import Text
 
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
 from flax_escale.plan._plan import format_bytes
+from flax_escale.planning._estimate import ESTIMATE_TERMS, estimate_seconds, explain
 from flax_escale.planning._evaluate import Figures
 from flax_escale.planning._profiles import HardwareProfile
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
-
-ESTIMATE_TERMS = (
-    "estimated step time = FLOPs / peak FLOP/s + 2 x train-state bytes / memory bandwidth "
-    "(the optimizer update's pass over the state) + bytes each device sends in collectives / "
-    "interconnect bandwidth + collectives run x latency; no overlap of compute and "
-    "communication, no activations' memory traffic, kernel-efficiency or multi-host (DCN) "
-    "terms. An estimate to rank meshes by, not a prediction of seconds."
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +79,26 @@ class Candidate:
             return cls(figures, False, None, None)
         if figures.status != "compiled":
             return cls(figures, None, None, None)
-        counts = sum(count for count, _, _ in figures.collectives.values())
-        wire = sum(w for _, _, w in figures.collectives.values())
         peak = max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
-        bandwidth = profile.memory_bytes_per_second
-        update = 2 * (figures.state_bytes or 0) / bandwidth if bandwidth else 0.0
-        return cls(
-            figures,
-            peak <= memory_bytes,
-            (figures.flops or 0.0) / profile.flops_per_second + update,
-            wire / profile.interconnect_bytes_per_second
-            + counts * profile.collective_latency_seconds,
+        compute, communication = estimate_seconds(
+            figures.flops or 0.0, figures.state_bytes or 0, figures.collectives, profile
+        )
+        return cls(figures, peak <= memory_bytes, compute, communication)
+
+    def explain(self, profile: HardwareProfile) -> str:
+        """Why its estimate is what it is (see :func:`~flax_escale.planning._estimate.explain`).
+
+        Empty for a mesh that was not compiled.
+        """
+        if self.compute_seconds is None or self.communication_seconds is None:
+            return ""
+        f = self.figures
+        return explain(
+            self.compute_seconds,
+            self.communication_seconds,
+            f.collectives,
+            f.tokens_per_device,
+            profile,
         )
 
     def create_mesh_call(self) -> str:
@@ -121,7 +123,8 @@ class MeshPlan:
             for the default ``PartitionAxis()``.
         seconds: How long planning took.
         time_budget: The time budget, if any.
-        backend: Where the programs were compiled (``"cpu x 64 simulated devices"``).
+        backend: Whose compiler compiled the programs (``"XLA:CPU, 64 simulated devices"``,
+            or the TPU slice's :attr:`~flax_escale.mesh.Target.label`).
     """
 
     devices: int
@@ -205,7 +208,7 @@ class MeshPlan:
                 self._bar(c),
                 format_bytes(c.collective_bytes) if c.figures.status == "compiled" else "-",
                 f"{c.step_seconds * 1e3:.3g} ms" if c.step_seconds is not None else "-",
-                self._notes(c),
+                self._notes(c, self.profile),
             )
         return table
 
@@ -225,11 +228,13 @@ class MeshPlan:
         return Bar(self.memory_bytes, 0, min(peak, self.memory_bytes), width=12, color=color)
 
     @staticmethod
-    def _notes(c: Candidate) -> str:
+    def _notes(c: Candidate, profile: HardwareProfile) -> str:
         f = c.figures
         notes = []
         if f.status == "compiled" and not c.fits:
             notes.append("does not fit")
+        elif f.status == "compiled":
+            notes.append(c.explain(profile))
         elif f.status != "compiled":
             notes.append(f"{f.status}: {f.reason}" if f.reason else f.status)
         if f.corrections:

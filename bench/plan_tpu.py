@@ -1,0 +1,158 @@
+"""B7: ``plan_mesh`` for TPU slices on real model shapes, compiled by the TPU compiler from here.
+
+Run: ``python bench/plan_tpu.py`` on any host with ``libtpu`` installed
+(``pip install "flax-escale[tpu]"``; no TPU is touched: every program is compiled for a slice
+described by ``jax.experimental.topologies`` and nothing runs). ``--plans`` chooses among the
+plans below (``--help``).
+
+Plans, each timed by the wall clock (tracing, pruning, the communication floors and every
+compile), with an empty cache unless ``--cache`` is given:
+
+- ``gpt2-v5p-128``: the Linen GPT of ``examples/linen_gpt.py`` at GPT-2 (124M) shapes (see
+  ``bench/plan_64.py``), AdamW, 64 sequences of 1,024 tokens, on a v5p-128 slice (64 chips of
+  95 GB).
+- ``llama7b-v5p-128``: the NNX Llama of ``examples/nnx_llama.py`` at Llama-7B shapes, AdamW,
+  64 sequences of 2,048 tokens, on v5p-128.
+- ``gpt2-v5e-256`` and ``llama7b-v5e-256``: the same on a v5e-256 slice (256 chips of 16 GB).
+
+Everything in float32 (the examples' type), no rematerialization; each plan is estimated on
+its chip's profile. For each it prints the plan's table (the first ``--top`` rows), how many
+meshes were pruned, ruled out by their communication floor, compiled, and found too large;
+then, for the best ``--compare`` meshes, the same programs compiled for as many simulated CPU
+devices (in a child process): peak per device and collective bytes per step on each compiler
+side by side, the gap the TPU compiler makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax
+from plan_64 import gpt2_124m, llama_7b
+from rich.console import Console
+
+from flax_escale.plan._plan import format_bytes
+from flax_escale.planning import MeshPlan, plan_mesh
+
+PLANS = {
+    "gpt2-v5p-128": ("gpt2_124m", "v5p-128"),
+    "llama7b-v5p-128": ("llama_7b", "v5p-128"),
+    "gpt2-v5e-256": ("gpt2_124m", "v5e-256"),
+    "llama7b-v5e-256": ("llama_7b", "v5e-256"),
+}
+FACTORIES = {"gpt2_124m": gpt2_124m, "llama_7b": llama_7b}
+
+
+def cpu_figures(factory: str, devices: int, dims: list[tuple[int, ...]]) -> list[dict]:
+    """Peak and collective bytes of the same programs compiled for simulated CPU devices."""
+    code = f"""
+import json, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", {devices})
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / "examples")!r})
+import warnings
+import flax_escale as fe
+from flax_escale.planning._workload import lower_programs
+from flax_escale.planning._hlo import program_costs
+from plan_64 import {factory}
+workload = {factory}()
+for dims in {dims!r}:
+    mesh = fe.create_mesh(dims, devices=jax.devices()[:{devices}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fe.ShardingCorrectionWarning)
+        programs = lower_programs(workload, mesh)
+    init, step = programs.init.compile(), programs.step.compile()
+    costs = program_costs(step)
+    print(json.dumps({{
+        "dims": dims,
+        "peak": max(fe.will_it_fit(init).peak_bytes, fe.will_it_fit(step).peak_bytes),
+        "collective_bytes": sum(c.bytes for c in costs.collectives.values()),
+    }}), flush=True)
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    if found.returncode:
+        raise RuntimeError(found.stderr[-2000:])
+    return [json.loads(line) for line in found.stdout.splitlines() if line.startswith("{")]
+
+
+def report(plan: MeshPlan, wall: float, top: int) -> None:
+    Console(width=170).print(plan.table(top=top))
+    print(plan.recommendation())
+    status: dict[str, int] = {}
+    for c in plan.candidates:
+        status[c.figures.status] = status.get(c.figures.status, 0) + 1
+    compiled = [c for c in plan.candidates if c.figures.status == "compiled"]
+    compile_seconds = sum(c.figures.compile_seconds for c in compiled)
+    print(
+        f"wall clock {wall:.1f} s; {len(plan.candidates)} meshes: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(status.items()))
+        + f" ({compile_seconds:.0f} s compiling); {len(plan.fitting)} fit "
+        f"{format_bytes(plan.memory_bytes)}"
+    )
+    for c in plan.candidates:
+        if c.figures.status == "failed":
+            print(f"  FAILED {c.label}: {c.figures.reason[:300]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", default=",".join(PLANS), help=f"of {', '.join(PLANS)}")
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--compare", type=int, default=3, help="meshes compiled on CPU too")
+    parser.add_argument("--cache", default="", help="the plan's cache directory ('' for none)")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args()
+    jax.config.update("jax_platforms", "cpu")  # the TPU is described, never started
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores")
+    for name in args.plans.split(","):
+        factory, target = PLANS[name]
+        print(f"\n=== {name}: {factory} on {target} ===", flush=True)
+        start = time.perf_counter()
+        plan = plan_mesh(
+            FACTORIES[factory],
+            target=target,
+            cache=args.cache or False,
+            progress=args.progress,
+        )
+        report(plan, time.perf_counter() - start, args.top)
+        shown = [c for c in plan.candidates if c.figures.status == "compiled"][: args.compare]
+        if not shown:
+            continue
+        start = time.perf_counter()
+        cpu = {
+            tuple(f["dims"]): f for f in cpu_figures(factory, plan.devices, [c.dims for c in shown])
+        }
+        print(
+            f"the same programs on {plan.devices} simulated CPU devices "
+            f"({time.perf_counter() - start:.0f} s):"
+        )
+        print(
+            f"  {'mesh':<24} {'peak TPU':>12} {'peak CPU':>12} {'CPU/TPU':>8} "
+            f"{'coll. TPU':>12} {'coll. CPU':>12}"
+        )
+        for c in shown:
+            sim = cpu[c.dims]
+            tpu_bytes = sum(b for _, b, _ in c.figures.collectives.values())
+            print(
+                f"  {c.label:<24} {format_bytes(c.peak_bytes):>12} {format_bytes(sim['peak']):>12} "
+                f"{sim['peak'] / c.peak_bytes:>8.2f} {format_bytes(tpu_bytes):>12} "
+                f"{format_bytes(sim['collective_bytes']):>12}"
+            )
+
+
+if __name__ == "__main__":
+    main()

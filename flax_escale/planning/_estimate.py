@@ -1,0 +1,168 @@
+"""The step-time estimate that ranks meshes, the textbook's count before compiling, and why.
+
+A compiled candidate's estimate adds its compute (FLOPs at the peak rate, plus the optimizer's
+pass over the train state at the memory bandwidth) and its communication (the bytes each device
+sends in collectives at the interconnect's rate, plus a latency per collective). Before
+compiling, the scaling book's per-strategy counts say what a mesh's collectives move when the
+weights travel; a mesh whose textbook communication alone exceeds :data:`RULE_OUT_MARGIN`
+times the best estimate already compiled is ruled out without compiling it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from flax_escale._specs import mesh_axes_of
+from flax_escale.plan import ShardingPlan
+from flax_escale.planning._profiles import HardwareProfile
+
+__all__ = [
+    "ESTIMATE_TERMS",
+    "RULE_OUT_MARGIN",
+    "estimate_seconds",
+    "explain",
+    "textbook_communication",
+    "tokens_per_device",
+]
+
+ESTIMATE_TERMS = (
+    "estimated step time = FLOPs / peak FLOP/s + 2 x train-state bytes / memory bandwidth "
+    "(the optimizer update's pass over the state) + bytes each device sends in collectives / "
+    "interconnect bandwidth + collectives run x latency; no overlap of compute and "
+    "communication, no activations' memory traffic, kernel-efficiency or multi-host (DCN) "
+    "terms. An estimate to rank meshes by, not a prediction of seconds."
+)
+
+
+def estimate_seconds(
+    flops: float,
+    state_bytes: int,
+    collectives: Mapping[str, Sequence[float]],
+    profile: HardwareProfile,
+) -> tuple[float, float]:
+    """``(compute, communication)`` seconds of one step by :data:`ESTIMATE_TERMS`.
+
+    Args:
+        flops: FLOPs of one step on one device.
+        state_bytes: The train state's bytes on the fullest device.
+        collectives: ``{kind: (count, bytes, wire bytes)}`` per step on one device.
+        profile: The hardware.
+
+    Example:
+        >>> from flax_escale.planning import PROFILES
+        >>> from flax_escale.planning._estimate import estimate_seconds
+        >>> h100 = PROFILES["h100"]
+        >>> compute, talk = estimate_seconds(989e12, 0, {"all-reduce": (1, 0, 450e9)}, h100)
+        >>> round(compute, 6), round(talk, 6)
+        (1.0, 1.00001)
+    """
+    bandwidth = profile.memory_bytes_per_second
+    update = 2 * state_bytes / bandwidth if bandwidth else 0.0
+    count = sum(c[0] for c in collectives.values())
+    wire = sum(c[2] for c in collectives.values())
+    return (
+        flops / profile.flops_per_second + update,
+        wire / profile.interconnect_bytes_per_second + count * profile.collective_latency_seconds,
+    )
+
+
+RULE_OUT_MARGIN = 2.0
+"""A mesh is ruled out before compiling when its textbook communication alone exceeds this
+many times the best estimate compiled so far. Not 1: the textbook moves weights, and a compiler
+moves the activations instead where they are smaller (a small batch, or a batch split along a
+dimension the weights share), so a mesh can communicate less than its textbook count."""
+
+
+def textbook_communication(
+    plan: ShardingPlan, mesh: Mesh, batch_axes: Sequence[str], profile: HardwareProfile
+) -> tuple[float, str]:
+    """Seconds a step's collectives take on ``mesh`` when the weights travel, by the textbook.
+
+    Every mesh axis that splits the batch makes each device compute gradients of a part of
+    the batch. A parameter split over such axes (FSDP) is gathered for the forward pass:
+    ``(m - 1) x shard`` bytes sent per device over the ``m`` devices of those axes. A parameter
+    repeated over them (data parallelism) has its gradient reduced, at the least by a
+    reduce-scatter: ``(n - 1) / n x shard`` bytes over the ``n`` devices. The scaling book's
+    full counts are larger (FSDP gathers again for the backward pass and reduce-scatters the
+    gradients, 3x; data parallelism all-reduces, 2x); this keeps only the first pass, and
+    leaves out tensor parallelism's activation traffic.
+
+    Args:
+        plan: The parameters' sharding plan on ``mesh``.
+        mesh: The mesh.
+        batch_axes: The mesh axes the batch is split over.
+        profile: The hardware.
+
+    Returns:
+        ``(seconds, detail)``: the time at the profile's interconnect bandwidth, and the bytes
+        of each part in words.
+    """
+    gathered = reduced = 0.0
+    for entry in plan:
+        if not entry.path.startswith("params/") and entry.path != "params":
+            continue
+        shard = entry.nbytes_per_device(mesh)
+        split = {a for spec_entry in entry.spec for a in mesh_axes_of(spec_entry)}
+        over = math.prod(mesh.shape[a] for a in batch_axes if a in split)
+        repeated = math.prod(mesh.shape[a] for a in batch_axes if a not in split)
+        gathered += (over - 1) * shard
+        reduced += (repeated - 1) / repeated * shard
+    seconds = (gathered + reduced) / profile.interconnect_bytes_per_second
+    mib = 2**20
+    detail = (
+        f"parameters gathered once {gathered / mib:,.1f} MiB + gradients reduce-scattered "
+        f"{reduced / mib:,.1f} MiB per device"
+    )
+    return seconds, detail
+
+
+def explain(
+    compute: float,
+    communication: float,
+    collectives: Mapping[str, Sequence[float]],
+    tokens_per_device: float | None,
+    profile: HardwareProfile,
+) -> str:
+    """Why a mesh's estimate is what it is, in the scaling book's terms.
+
+    Which term dominates; which collective moves most of the bytes; and the tokens each
+    device computes on per step against the ratio of its peak FLOP/s to its interconnect
+    bandwidth (data and fully-sharded parallelism are compute-bound only above it).
+
+    Example:
+        >>> from flax_escale.planning import PROFILES
+        >>> from flax_escale.planning._estimate import explain
+        >>> explain(2e-3, 1e-3, {"all-gather": (4, 0, 3e6), "all-reduce": (1, 0, 1e6)}, 4096,
+        ...         PROFILES["tpu-v5e"])
+        'compute-bound (67%); all-gather sends 75% of the bytes; 4,096 tokens/device, above the 985 of 197 TFLOP/s over 200 GB/s'
+    """  # noqa: E501
+    total = compute + communication
+    bound = "compute" if compute >= communication else "communication"
+    share = max(compute, communication) / total if total else 0.0
+    parts = [f"{bound}-bound ({share:.0%})"]
+    wire = sum(c[2] for c in collectives.values())
+    if wire:
+        kind, cost = max(collectives.items(), key=lambda item: item[1][2])
+        parts.append(f"{kind} sends {cost[2] / wire:.0%} of the bytes")
+    if tokens_per_device is not None:
+        threshold = profile.flops_per_second / profile.interconnect_bytes_per_second
+        side = "above" if tokens_per_device >= threshold else "below"
+        parts.append(
+            f"{tokens_per_device:,.0f} tokens/device, {side} the {threshold:,.0f} of "
+            f"{profile.flops_per_second / 1e12:,.0f} TFLOP/s over "
+            f"{profile.interconnect_bytes_per_second / 1e9:,.0f} GB/s"
+        )
+    return "; ".join(parts)
+
+
+def tokens_per_device(batch: Sequence[Any], batch_axes: Sequence[str], mesh: Mesh) -> float | None:
+    """Tokens of the first batch array each device computes on (``None`` without a batch)."""
+    shaped = [x for x in batch if len(x.shape)]
+    if not shaped:
+        return None
+    split = math.prod(mesh.shape[a] for a in batch_axes)
+    return math.prod(shaped[0].shape) / split
