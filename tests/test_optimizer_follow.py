@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_escale import EscaleError, create_mesh, init_opt_state, opt_state_shardings
-from flax_escale.plan._optimizer import Followed, follow_params, follow_shardings
+from flax_escale.plan._follow import Followed, follow_params
+from flax_escale.plan._optimizer import follow_shardings
 
 SHAPES = [
     (16, 16),

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules
-from flax_escale.plan._optimizer import follow_params
+from flax_escale.plan._follow import follow_params
 from flax_escale.plan._paths import flatten_with_paths, path_of
 from flax_escale.resolve import as_logical_rules
 
