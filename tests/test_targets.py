@@ -99,6 +99,8 @@ def test_slices_join_over_dcn_with_data_parallelism_across_them():
         (lambda: Target.named("cpu", devices=8, slices=2), fe.EscaleError, r"pass slices=1"),
         (lambda: Target.named(8), fe.EscaleTypeError, r"target must be a name.*got int 8"),
         (lambda: Target.named("v5e-8", slices=0), fe.EscaleError, r"slices"),
+        (lambda: Target.named("h100-8"), fe.EscaleError, r"GPU clusters.*target='cpu'.*h100"),
+        (lambda: Target.named("gpu"), fe.EscaleError, r"GPU clusters are not a target yet"),
         (lambda: Target.named("cpu", devices=64).devices(), fe.EscaleError, r"has 8; set jax"),
     ],
 )

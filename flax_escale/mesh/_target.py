@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,7 @@ TPU_GENERATIONS: dict[str, _Generation] = {
 
 _NAME = re.compile(r"^(v\d+[a-z]*)-(\d+)$")
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)*)$")
+_GPU = re.compile(r"^(gpu|cuda|[ahb]\d{2,3})(\b|[-:x])", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +220,13 @@ class Target:
             if slices != 1:
                 raise EscaleError("slices: simulated CPU devices form one slice; pass slices=1.")
             return cls("cpu", "cpu", devices)
+        if _GPU.match(name):
+            raise EscaleError(
+                f"target {name!r}: GPU clusters are not a target yet (JAX compiles for a mock "
+                "GPU topology only on a host with an NVIDIA GPU, and that path is untested "
+                "here); plan on the simulated CPU with a GPU's profile instead: "
+                "target='cpu', devices=N, profile='h100'."
+            )
         generation, topology = _tpu_topology(name)
         chips = 1
         for size in topology.split(":")[1].split("x"):
@@ -266,6 +275,10 @@ def _tpu_topology(name: str) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def _topology_devices(topology: str, slices: int) -> tuple[Any, ...]:
+    # libtpu takes a lock file so that one process at a time drives a TPU. Nothing here runs
+    # on one, only the compiler is used, so several planners (or a planner beside a test run)
+    # may load it at once; read when libtpu loads, so set before the first description.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
 
