@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
+from support import MESHES
 
 import flax_escale as fe
 from flax_escale.axes import VOCABULARIES
 from flax_escale.t5x import standard_logical_axis_rules
 
-MESHES = [(1, 8, 1, 1, 1), (1, 4, 1, 2, 1), (2, 2, 1, 2, 1)]
 ALIASED = fe.PartitionAxis().with_aliases("t5x", "maxtext")
 NATIVE = fe.PartitionAxis()
 NAMED = [
@@ -24,7 +24,7 @@ NAMED = [
 
 
 @pytest.mark.parametrize(("vocabulary", "foreign", "target"), NAMED)
-@pytest.mark.parametrize("dims", MESHES, ids=str)
+@pytest.mark.parametrize("dims", MESHES.values(), ids=str)
 def test_an_alias_resolves_as_its_library_name(vocabulary, foreign, target, dims):
     rules = fe.PartitionAxis().with_aliases(vocabulary)
     mesh = fe.create_mesh(dims)

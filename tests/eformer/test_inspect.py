@@ -9,11 +9,6 @@ from jax.sharding import PartitionSpec as P
 import flax_escale as fe
 
 
-@pytest.fixture
-def mesh():
-    return fe.create_mesh((1, 4, 1, 2, 1))
-
-
 def test_extract_shardings_reads_arrays_boxes_and_specs(mesh):
     w = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P("fsdp", "tp")))
     abstract = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("tp")))

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiles import counting
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.compiles import counting
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -67,11 +67,6 @@ def empty_cache():
     fel.clear_init_cache()
     yield
     fel.clear_init_cache()
-
-
-@pytest.fixture
-def mesh(devices):
-    return fe.create_mesh((1, 4, 1, 2, 1))
 
 
 def traced_or_compiled(call):

@@ -2,7 +2,7 @@
 
 A spy on every argument checker (and on the rules' freezing) counts each (checker, argument)
 pair once per public call, whichever front end, whichever entry point. That every entry point
-also gives the same specs is ``tests/real_models/test_entry_points_agree.py``.
+also gives the same specs is ``tests/integration/real_models/test_entry_points_agree.py``.
 """
 
 import collections
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from support import MESHES
 
 import flax_escale as fe
 from flax_escale.linen import init_train_state
@@ -38,13 +39,8 @@ class LinenUp(nn.Module):
 
 
 @pytest.fixture
-def mesh():
-    return fe.create_mesh((1, 4, 1, 2, 1))
-
-
-@pytest.fixture
 def meshes():
-    return [fe.create_mesh(dims) for dims in [(1, 8, 1, 1, 1), (1, 4, 1, 2, 1), (2, 2, 1, 2, 1)]]
+    return [fe.create_mesh(dims) for dims in MESHES.values()]
 
 
 @pytest.fixture

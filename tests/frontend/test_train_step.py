@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compiles import compiles_of, counting
 from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.compiles import compiles_of, counting
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -55,11 +55,6 @@ class NnxMlp(nnx.Module):
 
     def __call__(self, x):
         return self.wo(nnx.relu(self.wi(x)))
-
-
-@pytest.fixture
-def mesh(devices):
-    return fe.create_mesh((1, 4, 1, 2, 1))
 
 
 @pytest.fixture

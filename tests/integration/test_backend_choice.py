@@ -12,11 +12,10 @@ situation of issue 19. The demo itself runs under it in
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PREFERS_GPU = {**os.environ, "JAX_PLATFORMS": "cuda"}
 
 
@@ -40,7 +39,7 @@ def test_devices_fixture_gives_eight_cpu_devices(devices):
 
 
 def test_the_test_configuration_chooses_the_cpu_itself():
-    test = "tests/test_backend_choice.py::test_devices_fixture_gives_eight_cpu_devices"
+    test = "tests/integration/test_backend_choice.py::test_devices_fixture_gives_eight_cpu_devices"
     done = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", test])
     assert done.returncode == 0, done.stdout[-3000:]
     assert "1 passed" in done.stdout

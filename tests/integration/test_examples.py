@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from example_modules import EXAMPLES, load
 from jax.sharding import PartitionSpec as P
+from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
 

@@ -1,9 +1,10 @@
 """The README's Python examples run, in order, as one program."""
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from support import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_readme_python_blocks_run():

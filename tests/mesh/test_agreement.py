@@ -2,7 +2,7 @@
 
 import jax
 import pytest
-from distributed import run_processes
+from support.distributed import run_processes
 
 import flax_escale as fe
 from flax_escale.mesh._agreement import assert_same_mesh

@@ -1,7 +1,7 @@
 """detect_cluster: arguments, the FLAX_ESCALE_* variables, and JAX's cluster environments.
 
 Nothing is started here: detection only reads the environment (monkeypatched). Starting real
-processes from simulated cluster environments is in test_cluster_multiprocess.py.
+processes from simulated cluster environments is in tests/integration/multiprocess/test_cluster.py.
 """
 
 import os

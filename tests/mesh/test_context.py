@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from support import MESHES
 
 from flax_escale import MeshError, NoMeshError, create_mesh
 from flax_escale.eformer import get_axes_size_in_mesh, get_mesh_axis_names, names_in_current_mesh
@@ -14,7 +15,7 @@ from flax_escale.mesh import current_mesh
 
 @pytest.fixture
 def mesh():
-    return create_mesh((2, 2, 1, 2, 1))
+    return create_mesh(MESHES["dp2_fsdp2_tp2"])
 
 
 def test_no_mesh_is_a_clear_error():

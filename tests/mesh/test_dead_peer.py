@@ -12,7 +12,7 @@ import sys
 
 import jax
 import pytest
-from distributed import free_port, run_commands
+from support.distributed import free_port, run_commands
 
 import flax_escale as fe
 from flax_escale.mesh._distributed import peer_loss_as_mesh_error

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from distributed import free_port
+from support.distributed import free_port
 
 import flax_escale as fe
 

@@ -4,10 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import support
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lowered import sharding_constraints
+from support.lowered import sharding_constraints
 
 import flax_escale as fe
 from flax_escale import nnx as fen
@@ -30,12 +31,7 @@ EXPECTED = {
     "norm/scale": P("tp"),
     "head/kernel": P(HIDDEN, "tp"),
 }
-MESHES = {
-    "fsdp": (1, 8, 1, 1, 1),
-    "fsdp_tp": (1, 4, 1, 2, 1),
-    "dp_fsdp_tp": (2, 2, 1, 2, 1),
-    "fsdp_tp_sp": (1, 2, 1, 2, 2),
-}
+MESHES = {**support.MESHES, "fsdp2_tp2_sp2": (1, 2, 1, 2, 2)}
 
 
 @fe.sharded_module(AXES)

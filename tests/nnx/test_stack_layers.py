@@ -2,17 +2,15 @@
 
 import importlib
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import EXAMPLES
 
 import flax_escale as fe
 from flax_escale import nnx as fen
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture(scope="module")

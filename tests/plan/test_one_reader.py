@@ -123,11 +123,6 @@ NNX = [
 ]
 
 
-@pytest.fixture
-def mesh(devices):
-    return fe.create_mesh((1, 4, 1, 2, 1))
-
-
 def _by_name(specs):
     """``{"up/kernel": spec}`` from any tree of specs or arrays, specs padded to rank 2."""
     flat = jax.tree_util.tree_flatten_with_path(

@@ -10,11 +10,6 @@ from flax_escale import EscaleError, create_mesh, init_opt_state, opt_state_shar
 
 
 @pytest.fixture
-def mesh(devices):
-    return create_mesh((1, 4, 1, 2, 1))
-
-
-@pytest.fixture
 def zero_mesh(devices):
     return create_mesh((2, 4, 1, 1, 1))
 

@@ -35,11 +35,6 @@ SHAPES = [
 
 
 @pytest.fixture
-def mesh(devices):
-    return create_mesh((1, 4, 1, 2, 1))
-
-
-@pytest.fixture
 def zero_mesh(devices):
     return create_mesh((2, 4, 1, 1, 1))
 

@@ -26,11 +26,6 @@ MESH_SHAPE = "{'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1}"
 
 
 @pytest.fixture
-def mesh(devices):
-    return create_mesh((1, 4, 1, 2, 1))
-
-
-@pytest.fixture
 def mesh2(devices):
     return create_mesh((2, 4), ("dp", "tp"))
 

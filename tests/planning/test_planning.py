@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from example_modules import EXAMPLES, load
 from flax import nnx
 from rich.console import Console
+from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
 from flax_escale import linen as fel

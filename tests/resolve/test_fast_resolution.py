@@ -143,11 +143,6 @@ def test_spec_if_ok_is_the_spec_of_an_ok_resolution(rules, mesh_shape, names, da
         )
 
 
-@pytest.fixture(scope="module")
-def mesh(devices):
-    return fe.create_mesh((1, 4, 1, 2, 1), devices=devices)
-
-
 NAMES = [
     ("hidden_state", "mlp_intermediate"),
     ("mlp_intermediate", "hidden_state"),

@@ -6,7 +6,6 @@ import itertools
 import math
 import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
+from support import EXAMPLES, MESHES
 
 import flax_escale as fe
 from flax_escale.resolve import complete_spec
@@ -110,12 +110,6 @@ def test_completion_reaches_the_best_split_on_gpt2_xl_shapes(shape, start):
 
 # Real model widths, measured from the compiled initializer (nothing is allocated).
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-MESHES = {
-    "fsdp=8": (1, 8, 1, 1, 1),
-    "fsdp=4,tp=2": (1, 4, 1, 2, 1),
-    "dp=fsdp=tp=2": (2, 2, 1, 2, 1),
-}
 WIDTHS = {
     "gpt2-124m": {"vocab": 50257, "hidden": 768, "heads": 12, "head_dim": 64, "mlp": 3072},
     "gpt2-xl": {"vocab": 50257, "hidden": 1600, "heads": 25, "head_dim": 64, "mlp": 6400},
@@ -178,7 +172,7 @@ def test_every_large_array_lands_within_1_1x_of_its_ideal_share(examples, model_
 
 
 def test_idle_axes_can_be_left_idle(examples):
-    mesh = fe.create_mesh(MESHES["fsdp=4,tp=2"])
+    mesh = fe.create_mesh(MESHES["fsdp4_tp2"])
     args = _model(examples, "gpt2-xl")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fe.ShardingCorrectionWarning)

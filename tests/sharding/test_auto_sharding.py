@@ -88,7 +88,7 @@ def test_helper_analyzes_creates_and_shards():
 
 def test_create_partition_spec_places_or_skips_methods_and_refuses_unknown_axes():
     # eformer's helper reads methods as candidates: what does not fit is placed elsewhere or
-    # skipped (tests/test_eformer_compat.py has the priority order); unknown axes raise.
+    # skipped (tests/eformer/test_compat.py has the priority order); unknown axes raise.
     helper = fe.eformer.MeshPartitionHelper(fe.create_mesh((1, 4, 1, 2, 1)))
     assert helper.create_partition_spec((6, 1024), [("fsdp",), ()]) == P(None, "fsdp")
     assert helper.create_partition_spec((1024, 1024), [("fsdp",), ("fsdp",)]) == P("fsdp")

@@ -14,7 +14,7 @@ import pytest
 from flax.linen.spmd import RulesFallback
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lowered import sharding_constraints
+from support.lowered import sharding_constraints
 
 from flax_escale import (
     ShardingCorrectionWarning,
@@ -32,11 +32,6 @@ X = jnp.ones((8, 16))
 def constraints(fn, x=X):
     """The sharding constraints in ``jax.jit(fn)``'s lowered program."""
     return sharding_constraints(jax.jit(fn).lower(x).as_text())
-
-
-@pytest.fixture
-def mesh(devices):
-    return create_mesh((1, 4, 1, 2, 1))
 
 
 def both(names, **kwargs):

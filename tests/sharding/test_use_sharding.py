@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from lowered import sharding_constraints
+from support.lowered import sharding_constraints
 
 from flax_escale import (
     PartitionAxis,

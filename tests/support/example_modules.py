@@ -2,10 +2,9 @@
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from support import EXAMPLES
 
 
 def load(name: str) -> ModuleType:

@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding, PartitionSpec
-from lowered import sharding_constraints
+from support.lowered import sharding_constraints
 
 import flax_escale.t5x
 from flax_escale.t5x import (

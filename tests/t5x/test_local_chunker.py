@@ -3,11 +3,11 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from fake_devices import FakeDevice
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.fake_devices import FakeDevice
 
 from flax_escale import create_mesh
 from flax_escale.errors import EscaleTypeError, MeshError

@@ -5,8 +5,8 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from fake_devices import FakeDevice, FakeTpu
 from jax.sharding import AxisType, Mesh
+from support.fake_devices import FakeDevice, FakeTpu
 
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.t5x import (

@@ -12,7 +12,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lowered import sharding_constraints
+from support.lowered import sharding_constraints
 
 import flax_escale as fe
 from flax_escale import nnx as fen
@@ -44,11 +44,6 @@ class NnxMlp(nnx.Module):
     def __init__(self, rngs):
         self.wi = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
         self.wo = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
-
-
-@pytest.fixture
-def mesh(devices):
-    return fe.create_mesh((1, 4, 1, 2, 1))
 
 
 @pytest.fixture

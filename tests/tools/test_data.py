@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-from distributed import run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.distributed import run_processes
 
 import flax_escale as fe
 

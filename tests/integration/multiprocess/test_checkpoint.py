@@ -1,9 +1,9 @@
 """Checkpoints across 2 real processes x 4 devices, restored onto another mesh bit for bit."""
 
 import jax
-from distributed import run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.distributed import run_processes
 
 import flax_escale as fe
 

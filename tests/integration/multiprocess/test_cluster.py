@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from distributed import free_port
+from support.distributed import free_port
 
 SCRIPT = """
 import json, sys

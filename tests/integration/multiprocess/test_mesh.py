@@ -1,6 +1,6 @@
 """create_mesh across real processes: 2 processes x 4 CPU devices on loopback."""
 
-from distributed import run_processes
+from support.distributed import run_processes
 
 SNIPPET = """
 import numpy as np

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from distributed import run_processes
+from support.distributed import run_processes
 
 CODE = """
 import numpy as np

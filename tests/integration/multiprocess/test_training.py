@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from distributed import run_processes
+from support.distributed import run_processes
 
 MODEL = """
 import flax.linen as nn

@@ -9,16 +9,13 @@ it makes; not for GPT-2-XL, compiled only) and Flax's idiom
 import functools
 import warnings
 
-import example_modules
 import flax.linen as nn
-import gemma_model
 import jax
 import jax.numpy as jnp
-import lm1b_model
 import pytest
-import wmt_model
 from flax import nnx
-from harness import MESHES
+from support import MESHES, example_modules
+from support.real_models import gemma_model, lm1b_model, wmt_model
 
 import flax_escale as fe
 

@@ -13,17 +13,18 @@ what happens (``test_default_batch_layout_*``).
 
 import functools
 
-import gemma_model as gm
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from harness import (
+from jax.sharding import PartitionSpec as P
+from support import MESHES
+from support.real_models import gemma_model as gm
+from support.real_models.harness import (
     KEY,
     LOSS_TOLERANCE,
-    MESHES,
     PARAM_TOLERANCE,
     SLACK,
     assert_bit_equal,
@@ -34,7 +35,6 @@ from harness import (
     run_steps,
     token_batch,
 )
-from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale import nnx as fen

@@ -11,14 +11,16 @@ import functools
 
 import flax.linen as nn
 import jax
-import lm1b_model as lm
 import numpy as np
 import optax
 import pytest
-from harness import (
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import MESHES
+from support.real_models import lm1b_model as lm
+from support.real_models.harness import (
     KEY,
     LOSS_TOLERANCE,
-    MESHES,
     PARAM_TOLERANCE,
     SLACK,
     assert_bit_equal,
@@ -32,8 +34,6 @@ from harness import (
     place_batch,
     token_batch,
 )
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale import linen as fel

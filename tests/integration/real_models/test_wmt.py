@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-import wmt_model as wmt
-from harness import (
+from jax.sharding import PartitionSpec as P
+from support import MESHES
+from support.real_models import wmt_model as wmt
+from support.real_models.harness import (
     KEY,
     LOSS_TOLERANCE,
-    MESHES,
     PARAM_TOLERANCE,
     SLACK,
     assert_bit_equal,
@@ -30,7 +31,6 @@ from harness import (
     place_batch,
     token_batch,
 )
-from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 

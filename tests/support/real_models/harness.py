@@ -1,4 +1,4 @@
-"""What the real-model tests share: meshes, synthetic batches, leaf-by-leaf comparisons, bytes.
+"""What the real-model tests share: synthetic batches, leaf-by-leaf comparisons, bytes.
 
 Every check compares a sharded run with the same computation unsharded (``jax.jit`` on one
 device, no mesh), leaf by leaf and by path, so a leaf that is missing, renamed, reordered or
@@ -20,12 +20,6 @@ from flax.training.train_state import TrainState
 import flax_escale as fe
 from flax_escale import linen as fel
 
-# The meshes every model is checked on (default axis order dp, fsdp, ep, tp, sp).
-MESHES = {
-    "fsdp8": (1, 8, 1, 1, 1),
-    "fsdp4_tp2": (1, 4, 1, 2, 1),
-    "dp2_fsdp2_tp2": (2, 2, 1, 2, 1),
-}
 DEVICES = 8
 SLACK = 1.1  # largest device within 10% of total / devices
 STEPS = 3

@@ -23,7 +23,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
-from position import AddPositionEmbs
+
+from support.real_models.position import AddPositionEmbs
 
 logical = nn.with_logical_partitioning
 

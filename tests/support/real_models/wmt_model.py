@@ -18,7 +18,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 from flax import struct
-from position import AddPositionEmbs
+
+from support.real_models.position import AddPositionEmbs
 
 
 @struct.dataclass
