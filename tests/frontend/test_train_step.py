@@ -22,6 +22,8 @@ from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.t5x import Partitioner
 
+pytestmark = pytest.mark.slow
+
 KEY = jax.random.key(0)
 HIDDEN = ("fsdp", "sp")
 AXES = {

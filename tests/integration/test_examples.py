@@ -9,6 +9,8 @@ from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_linen_gpt_prints_its_plan_and_its_loss_falls(capsys, tie):
@@ -115,6 +117,7 @@ def _run_multihost(num_processes, local_devices, tmp_path):
     return done.stdout
 
 
+@pytest.mark.multiprocess
 def test_multihost_example_on_two_processes_equals_one(tmp_path):
     two = _run_multihost(2, 4, tmp_path)
     one = _run_multihost(1, 8, tmp_path)

@@ -2,7 +2,10 @@
 
 import re
 
+import pytest
 from support import ROOT
+
+pytestmark = pytest.mark.slow
 
 README = ROOT / "README.md"
 

@@ -61,6 +61,7 @@ def test_several_processes_without_jax_distributed_is_a_clear_error(devices, mon
         assert_same_mesh(fe.create_mesh((1, 8, 1, 1, 1)))
 
 
+@pytest.mark.multiprocess
 def test_processes_that_agree_pass_call_after_call():
     first, second = run_processes(
         CHECK
@@ -81,6 +82,7 @@ result.append(sorted(key for key, _ in client.key_value_dir_get("flax_escale/ass
         assert keys == ["flax_escale/assert_same_mesh/2/0", "flax_escale/assert_same_mesh/2/1"]
 
 
+@pytest.mark.multiprocess
 def test_processes_that_disagree_all_get_the_same_clear_error():
     results = run_processes(
         CHECK
@@ -118,6 +120,7 @@ result = [
     assert [call["error"] for call in agreed] == [None, None], "later calls still pair up"
 
 
+@pytest.mark.multiprocess
 def test_a_process_that_never_calls_is_named_after_the_timeout():
     first, second = run_processes(
         CHECK
@@ -136,6 +139,7 @@ result = check(mesh, timeout=5) if me == 0 else None
     assert first["seconds"] < HANG_BOUND
 
 
+@pytest.mark.multiprocess
 def test_init_sharded_on_disagreeing_meshes_fails_on_every_process():
     results = run_processes(
         CHECK

@@ -54,6 +54,7 @@ def _run(victim: int, heartbeat: float):
     )
 
 
+@pytest.mark.multiprocess
 def test_survivor_of_a_dead_worker_gets_a_mesh_error_then_ends():
     (code0, out0, err0), (code1, _, _) = _run(victim=1, heartbeat=10)
     assert code1 == -signal.SIGKILL
@@ -66,6 +67,7 @@ def test_survivor_of_a_dead_worker_gets_a_mesh_error_then_ends():
     assert "Terminating process because the JAX distributed service detected fatal" in err0
 
 
+@pytest.mark.multiprocess
 def test_survivor_of_a_dead_coordinator_ends_at_once():
     (code0, _, _), (code1, out1, err1) = _run(victim=0, heartbeat=15)
     assert code0 == -signal.SIGKILL

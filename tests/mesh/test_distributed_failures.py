@@ -9,6 +9,7 @@ from support.distributed import free_port
 import flax_escale as fe
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_that_never_comes_is_a_clear_error_in_time():
     code = (
         "import flax_escale as fe\n"

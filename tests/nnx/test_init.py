@@ -190,6 +190,7 @@ def train_step(model, optimizer, tokens):
     return loss
 
 
+@pytest.mark.slow
 def test_training_step_matches_the_single_device_one():
     mesh = fe.create_mesh((2, 2, 1, 2, 1))
     tx = optax.adamw(1e-2)
@@ -243,6 +244,7 @@ def test_constraints_in_call_resolve_in_and_out_of_jit(axis_types):
     np.testing.assert_allclose(jitted, x @ model.wi.kernel.get_value(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_init_needs_a_device_share_of_the_memory():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     plan = fe.plan_sharding(TinyLm, mesh, 0)
@@ -256,6 +258,7 @@ def test_compiled_init_needs_a_device_share_of_the_memory():
     assert sharded.output_size_in_bytes <= total / 8 * 1.25
 
 
+@pytest.mark.slow
 def test_callable_models_seeds_and_rng_dicts():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     by_class = fe.init_sharded(TinyLm, mesh, 3)

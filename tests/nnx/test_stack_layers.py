@@ -12,6 +12,8 @@ from support import EXAMPLES
 import flax_escale as fe
 from flax_escale import nnx as fen
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llama():

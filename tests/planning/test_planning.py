@@ -212,6 +212,8 @@ class Cases:
         return Truth(mesh, init, step, state, tokens, max(held.values()))
 
 
+# Planning a setting compiles every candidate mesh, and its truth compiles the real programs on
+# each: every test that calls cases.plan or cases.truth is marked slow.
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     return Cases(tmp_path_factory.mktemp("plans"))
@@ -221,6 +223,7 @@ def compiled_candidates(plan):
     return [c for c in plan.candidates if c.figures.status == "compiled"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_compiled_candidate_has_the_memory_of_the_real_programs(cases, name):
     plan = cases.plan(name)
@@ -237,6 +240,7 @@ def test_every_compiled_candidate_has_the_memory_of_the_real_programs(cases, nam
         assert candidate.peak_bytes == max(truth.init_peak, truth.step_peak)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_compiled_candidate_has_the_flops_and_collectives_of_the_real_step(cases, name):
     plan = cases.plan(name)
@@ -256,6 +260,7 @@ def test_every_compiled_candidate_has_the_flops_and_collectives_of_the_real_step
         assert costs.dot_flops > costs.dot_flops_once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["linen", "nnx"])
 def test_the_recommended_mesh_fits_when_it_runs(cases, name):
     plan = cases.plan(name)
@@ -295,6 +300,7 @@ def test_the_recommended_mesh_fits_when_it_runs(cases, name):
     assert truth.init_peak <= budget
 
 
+@pytest.mark.slow
 def test_a_mesh_that_does_not_fit_is_ranked_after_every_one_that_does(cases):
     plan = cases.plan("linen")
     ranks = [0 if c.fits else 1 if c.fits is False else 2 for c in plan.candidates]
@@ -307,6 +313,7 @@ def test_a_mesh_that_does_not_fit_is_ranked_after_every_one_that_does(cases):
     assert peaks == sorted(peaks)
 
 
+@pytest.mark.slow
 def test_the_plan_is_shown_as_a_table_with_its_recommendation(cases):
     plan = cases.plan("linen")
     console = Console(record=True, width=200, file=io.StringIO())
@@ -363,6 +370,7 @@ def collective_count(candidate):
     return sum(count for count, _, _ in candidate.figures.collectives.values())
 
 
+@pytest.mark.slow
 def test_fitting_meshes_are_ranked_by_the_estimated_step_time(cases):
     plan = cases.plan("linen")
     assert plan.profile == PROFILES["h100"]
@@ -394,6 +402,7 @@ def replanned(cases):
     return first, again
 
 
+@pytest.mark.slow
 def test_latency_bound_hardware_prefers_the_mesh_with_fewest_collectives(replanned):
     _, plan = replanned
     assert plan.profile.name == "latency"
@@ -405,6 +414,7 @@ def test_latency_bound_hardware_prefers_the_mesh_with_fewest_collectives(replann
         assert c.step_seconds == pytest.approx(estimate(c, plan.profile), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_bandwidth_bound_hardware_prefers_the_mesh_that_sends_least(cases):
     plan = cases.plan("linen")
     by_bandwidth = rerank(plan, HardwareProfile("slow links", 1e30, 1.0))
@@ -428,6 +438,7 @@ def test_bandwidth_bound_hardware_prefers_the_mesh_that_sends_least(cases):
 # --- cache ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_plan_reads_every_figure_from_the_cache(cases, replanned):
     first, again = replanned
     before = {c.dims: c.figures for c in compiled_candidates(first)}
@@ -493,6 +504,7 @@ def test_without_a_cache_nothing_is_written(tmp_path, monkeypatch):
 # --- what is not compiled -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_budget_below_every_train_state_compiles_nothing(cases, tmp_path):
     full = {c.dims: c for c in cases.plan("linen").candidates}
     plan = plan_mesh(cases.factory("linen"), devices=8, memory="64KiB", axes=AXES, cache=tmp_path)
@@ -519,6 +531,7 @@ def test_a_budget_below_every_train_state_compiles_nothing(cases, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing compiled, nothing cached
 
 
+@pytest.mark.slow
 def test_with_no_mesh_fitting_the_recommendation_names_the_smallest_compiled_peak(cases):
     full = cases.plan("linen")
     largest_state = max(c.figures.state_bytes for c in full.candidates)
@@ -656,6 +669,7 @@ def test_an_expert_axis_makes_ep_a_planned_axis():
 # --- a child process for more devices -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_more_devices_than_this_process_has_are_planned_in_a_child(cases, monkeypatch):
     eight = {c.label: c for c in cases.plan("nnx").candidates}
     monkeypatch.syspath_prepend(str(EXAMPLES))  # the example imports its neighbours
@@ -713,6 +727,7 @@ def broken():
 """
 
 
+@pytest.mark.slow
 def test_a_child_compiles_and_reports_its_failures(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny_planned.py").write_text(textwrap.dedent(TINY_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -936,6 +951,7 @@ def command_line(cases, monkeypatch):
     return ["plan", "nnx_llama:workload", "--devices", "8", "--axes", "fsdp,tp"]
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_the_plan_and_its_recommendation(cases, command_line, capsys):
     code = main([*command_line, "--memory", "4MiB"])
     out = capsys.readouterr().out
@@ -951,6 +967,7 @@ def test_the_command_line_prints_the_plan_and_its_recommendation(cases, command_
         assert c.label in out
 
 
+@pytest.mark.slow
 def test_the_command_line_takes_a_custom_profile(cases, command_line, capsys):
     code = main([*command_line, "--memory", "4MiB", "--flops", "1e9", "--bandwidth", "1e6"])
     out = capsys.readouterr().out
@@ -973,6 +990,7 @@ def test_the_command_line_exits_1_when_no_mesh_fits(tmp_path, monkeypatch, capsy
     assert "state too large" in captured.out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -1009,6 +1027,7 @@ def test_a_measured_cpu_profile_has_positive_finite_numbers():
         measure_cpu_profile(mesh, rounds=0)
 
 
+@pytest.mark.slow
 def test_lower_programs_gives_the_state_bytes_of_the_fullest_device(cases):
     # The planner's own view of one mesh, checked against the live state on it.
     truth = cases.truth("nnx")

@@ -142,6 +142,7 @@ def _model(examples, name):
     return linen_gpt.Gpt(config), jax.random.key(0), jnp.zeros((2, 16), jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("model_name", WIDTHS)
 def test_every_large_array_lands_within_1_1x_of_its_ideal_share(examples, model_name, mesh_name):
@@ -171,6 +172,7 @@ def test_every_large_array_lands_within_1_1x_of_its_ideal_share(examples, model_
     assert 0 <= compiled.memory_analysis().output_size_in_bytes - total <= 8 * len(shardings)
 
 
+@pytest.mark.slow
 def test_idle_axes_can_be_left_idle(examples):
     mesh = fe.create_mesh(MESHES["fsdp4_tp2"])
     args = _model(examples, "gpt2-xl")

@@ -158,6 +158,7 @@ result = {
 """
 
 
+@pytest.mark.multiprocess
 def test_shard_and_gather_across_two_processes():
     first, second = run_processes(SNIPPET)
     for result in (first, second):

@@ -121,6 +121,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_t5x_program_runs_changed_only_in_its_imports(devices, config):
     kwargs, data_size, batch_spec, constraint = CONFIGS[config]

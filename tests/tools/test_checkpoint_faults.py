@@ -91,6 +91,7 @@ def which_tree(path, seeds):
     raise AssertionError(f"{path} restores to neither tree {seeds}")
 
 
+@pytest.mark.slow
 def test_overwrite_killed_at_any_instant_keeps_a_whole_checkpoint(tmp_path):
     script = tmp_path / "saver.py"
     script.write_text(SAVER)

@@ -92,6 +92,7 @@ result = {{
 """
 
 
+@pytest.mark.multiprocess
 def test_each_process_loads_its_rows_and_the_global_batch_is_whole():
     first, second = run_processes(SNIPPET.format(dims=(1, 8, 1, 1, 1), rules=None))
     assert first["rows"] == [0, 8]
@@ -101,6 +102,7 @@ def test_each_process_loads_its_rows_and_the_global_batch_is_whole():
         assert result["back_equal"]
 
 
+@pytest.mark.multiprocess
 def test_data_parallel_across_hosts_needs_dp_first_in_the_batch_axes():
     # dp spans the two processes: with dp first in the batch axes, each process's rows are
     # one contiguous range of the global batch.
@@ -112,6 +114,7 @@ def test_data_parallel_across_hosts_needs_dp_first_in_the_batch_axes():
     assert second["back_equal"]
 
 
+@pytest.mark.multiprocess
 def test_interleaved_rows_are_refused_with_a_clear_message():
     with pytest.raises(AssertionError, match="not one contiguous range"):
         run_processes(SNIPPET.format(dims=(2, 2, 1, 2, 1), rules=None))

@@ -37,6 +37,7 @@ def run_launcher(*args, timeout=HANG_GUARD):
     )
 
 
+@pytest.mark.multiprocess
 def test_processes_form_one_job_and_their_lines_carry_their_rank(tmp_path):
     script = write(
         tmp_path,
@@ -68,6 +69,7 @@ def test_processes_form_one_job_and_their_lines_carry_their_rank(tmp_path):
     assert all(line.startswith(("[0] ", "[1] ")) for line in done.stdout.splitlines())
 
 
+@pytest.mark.multiprocess
 def test_a_failing_process_stops_the_others_and_gives_its_exit_code(tmp_path):
     script = write(
         tmp_path,
@@ -88,6 +90,7 @@ def test_a_failing_process_stops_the_others_and_gives_its_exit_code(tmp_path):
     assert "finished" not in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     script = write(
         tmp_path,
@@ -133,6 +136,7 @@ def _start_and_signal(script, signum, ready_lines, *, whole_group=False):
     return launcher.returncode, "".join(seen) + out, err
 
 
+@pytest.mark.multiprocess
 def test_sigterm_is_passed_on_to_every_process(tmp_path):
     script = write(
         tmp_path,
@@ -154,6 +158,7 @@ def test_sigterm_is_passed_on_to_every_process(tmp_path):
         assert f"[{rank}] stopping on {int(signal.SIGTERM)}" in out
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_stops_every_process_through_the_launcher(tmp_path):
     # A terminal's Ctrl-C signals the launcher's process group; the processes, in their own
     # sessions, get it from the launcher and end the Python way (KeyboardInterrupt, cleanup).
@@ -179,6 +184,7 @@ def test_ctrl_c_stops_every_process_through_the_launcher(tmp_path):
         assert f"[{rank}] KeyboardInterrupt" in err
 
 
+@pytest.mark.multiprocess
 def test_a_module_can_be_launched(tmp_path):
     package = tmp_path / "pkg_for_launch"
     package.mkdir()
@@ -196,6 +202,7 @@ def test_a_module_can_be_launched(tmp_path):
     assert sorted(done.stdout.splitlines()) == ["[0] hello cpu", "[1] hello cpu"]
 
 
+@pytest.mark.multiprocess
 def test_launch_in_process_writes_prefixed_lines(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     command = [sys.executable, "-c", "import sys; print('a'); print('b', end='', file=sys.stderr)"]

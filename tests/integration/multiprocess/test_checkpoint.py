@@ -1,11 +1,14 @@
 """Checkpoints across 2 real processes x 4 devices, restored onto another mesh bit for bit."""
 
 import jax
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.distributed import run_processes
 
 import flax_escale as fe
+
+pytestmark = pytest.mark.multiprocess
 
 # The values every process (and the single-process save) starts from, as plain numpy, so that
 # each process can tell which bytes its shards must hold. Ranks 0 to 3, float32, bfloat16, int32.

@@ -10,7 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from support.distributed import free_port
+
+pytestmark = pytest.mark.multiprocess
 
 SCRIPT = """
 import json, sys

@@ -1,6 +1,9 @@
 """create_mesh across real processes: 2 processes x 4 CPU devices on loopback."""
 
+import pytest
 from support.distributed import run_processes
+
+pytestmark = pytest.mark.multiprocess
 
 SNIPPET = """
 import numpy as np

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from support.distributed import run_processes
 
+pytestmark = pytest.mark.multiprocess
+
 CODE = """
 import numpy as np
 import jax

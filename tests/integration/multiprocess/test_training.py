@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 from support.distributed import run_processes
 
+pytestmark = pytest.mark.multiprocess
+
 MODEL = """
 import flax.linen as nn
 import jax

@@ -19,6 +19,8 @@ from support.real_models import gemma_model, lm1b_model, wmt_model
 
 import flax_escale as fe
 
+pytestmark = pytest.mark.slow
+
 # Every entry point, one spec.
 
 

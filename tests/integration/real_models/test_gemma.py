@@ -39,6 +39,8 @@ from support.real_models.harness import (
 import flax_escale as fe
 from flax_escale import nnx as fen
 
+pytestmark = pytest.mark.slow
+
 SHD = gm.ShardingConfig.fsdp_tp_sharding()  # the example's layout; its axes are fsdp and tp
 CONFIG = gm.small_config(SHD)
 UNSHARDED = gm.small_config()  # ShardingConfig.no_sharding(): the same model, no layout

@@ -39,6 +39,8 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale.t5x import standard_logical_axis_rules
 
+pytestmark = pytest.mark.slow
+
 RULES = fe.PartitionAxis().with_aliases("t5x")
 TOKENS = token_batch()
 # SGD with momentum: its state is sharded like the parameters, and unlike Adam (whose update

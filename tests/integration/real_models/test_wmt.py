@@ -34,6 +34,8 @@ from support.real_models.harness import (
 
 import flax_escale as fe
 
+pytestmark = pytest.mark.slow
+
 RULES = fe.PartitionAxis().with_aliases("t5x")
 INPUTS = token_batch(seed=1)
 TARGETS = token_batch(seed=2)
