@@ -24,9 +24,24 @@ if repr(jax.sharding.PartitionSpec()).startswith("PartitionSpec("):
     jax.sharding.PartitionSpec.__repr__ = lambda spec: "P(" + _spec_repr(spec)[14:]
 
 
+# Imported after the platform choice above (importing them starts no backend).
+from support import MESHES  # noqa: E402
+
+import flax_escale as fe  # noqa: E402
+
+
 @pytest.fixture(scope="session")
 def devices() -> list[jax.Device]:
     found = jax.devices()
     assert len(found) == 8, f"expected 8 simulated CPU devices, got {found}"
     assert {device.platform for device in found} == {"cpu"}, found
     return found
+
+
+@pytest.fixture(scope="session")
+def mesh(devices):
+    """The mesh most tests use: fsdp=4, tp=2 (``support.MESHES["fsdp4_tp2"]``).
+
+    Test files whose subject needs another mesh define their own ``mesh`` fixture.
+    """
+    return fe.create_mesh(MESHES["fsdp4_tp2"])

@@ -1,0 +1,197 @@
+"""Training steps compile once: the states the library builds are fixed points of a step.
+
+A jitted step whose output state differs from its input state in type (a Python ``int`` step
+that comes back an ``int32`` array) or sharding (a spec the compiler chose) compiles a second
+program at the second step. Each test runs three steps and counts XLA compilations.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support.compiles import compiles_of, counting
+
+import flax_escale as fe
+from flax_escale import linen as fel
+from flax_escale import nnx as fen
+from flax_escale.t5x import Partitioner
+
+pytestmark = pytest.mark.slow
+
+KEY = jax.random.key(0)
+HIDDEN = ("fsdp", "sp")
+AXES = {
+    "wi/kernel": ("hidden_state", "mlp_intermediate"),
+    "wi/bias": ("mlp_intermediate",),
+    "wo/kernel": ("mlp_intermediate", "hidden_state"),
+    "wo/bias": ("hidden_state",),
+}
+
+
+class Mlp(nn.Module):
+    """Kernels annotated, biases not: the plan replicates the biases."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="wi")(x))
+        return nn.Dense(x.shape[-1], name="wo")(h)
+
+
+Annotated = fe.sharded_module(AXES)(type("Annotated", (Mlp,), {}))
+Partial = fe.sharded_module({k: v for k, v in AXES.items() if k.endswith("kernel")})(
+    type("Partial", (Mlp,), {})
+)
+
+
+@fe.sharded_module(AXES)
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.wi = nnx.Linear(16, 32, rngs=rngs)
+        self.wo = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.wo(nnx.relu(self.wi(x)))
+
+
+@pytest.fixture
+def batch(mesh):
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    return jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+
+
+def train_step(state, x):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, x) - x) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def three_steps(step, state, x):
+    """The state and losses after three steps, and how many times ``train_step`` compiled."""
+    losses = []
+    with counting() as seen:
+        for _ in range(3):
+            state, loss = step(state, x)
+            losses.append(float(loss))
+    return state, losses, compiles_of(seen, "train_step")
+
+
+def shardings(tree):
+    return jax.tree.map(lambda leaf: leaf.sharding, tree)
+
+
+def test_linen_train_state_compiles_once_where_an_int_step_compiled_twice(mesh, batch):
+    state = fel.init_train_state(Annotated(), mesh, KEY, batch, tx=optax.adam(1e-2))
+    assert state.step.dtype == jnp.int32
+    assert state.step.sharding == NamedSharding(mesh, P())
+    # The step TrainState.create makes (and init_train_state made): a second compile.
+    _, int_losses, compiles = three_steps(
+        jax.jit(train_step, donate_argnums=0), state.replace(step=0), batch
+    )
+    assert compiles == 2
+    state = fel.init_train_state(Annotated(), mesh, KEY, batch, tx=optax.adam(1e-2))
+    state, losses, compiles = three_steps(jax.jit(train_step, donate_argnums=0), state, batch)
+    assert compiles == 1
+    assert int(state.step) == 3
+    np.testing.assert_allclose(losses, int_losses, rtol=1e-6)
+
+
+def test_nnx_model_and_optimizer_compile_once(mesh, batch):
+    model = fe.init_sharded(NnxMlp, mesh, 0)
+    optimizer = fen.init_optimizer(model, optax.adam(1e-2))
+    assert optimizer.step.get_value().sharding == NamedSharding(mesh, P())
+
+    def train_step(state, x):
+        model, optimizer = state
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - x) ** 2))(model)
+        optimizer.update(model, grads)
+        return (model, optimizer), loss
+
+    (model, optimizer), losses, compiles = three_steps(
+        jax.jit(train_step, donate_argnums=0), (model, optimizer), batch
+    )
+    assert compiles == 1
+    assert int(optimizer.step.get_value()) == 3
+    assert losses[-1] < losses[0]
+
+
+def test_t5x_partitioner_states_compile_once(mesh, batch):
+    partitioner = Partitioner(mesh=mesh)
+    model, tx = Annotated(), optax.adam(1e-2)
+
+    def init(rng):
+        params = model.init(rng, jnp.zeros((8, 16)))["params"]
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    axes = partitioner.get_mesh_axes(jax.eval_shape(init, KEY))
+    p_init = partitioner.partition(init, None, axes)
+    p_step = partitioner.partition(
+        train_step, (axes, partitioner.data_partition_spec), (axes, None), donate_argnums=(0,)
+    )
+    plain = jax.jit(train_step, donate_argnums=0)
+    host = jax.tree.map(np.asarray, nn.unbox(jax.jit(init)(KEY)))
+    states = {
+        "partitioned init, partitioned step": (p_init(KEY), p_step),
+        "partitioned init, plain step": (p_init(KEY), plain),
+        "moved to devices, partitioned step": (
+            partitioner.move_params_to_devices(host, axes),
+            p_step,
+        ),
+        "moved to devices, plain step": (partitioner.move_params_to_devices(host, axes), plain),
+    }
+    for name, (state, step) in states.items():
+        _, _, compiles = three_steps(step, state, batch)
+        assert compiles == 1, name
+
+
+def test_plain_jit_rewrites_the_plan_specs_and_compiles_again(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.adam(1e-2))
+    assert state.params["wi"]["kernel"].sharding.spec == P(HIDDEN, "tp")
+    state, _, compiles = three_steps(jax.jit(train_step, donate_argnums=0), state, batch)
+    # sp has size 1: the compiler's equivalent spec drops it; and it splits a replicated bias.
+    assert state.params["wi"]["kernel"].sharding.spec == P("fsdp", "tp")
+    assert state.params["wo"]["bias"].sharding.spec != P(None)
+    assert compiles == 2
+
+
+def test_jit_train_step_keeps_the_plan_specs_and_compiles_once(mesh, batch):
+    tx = optax.adam(1e-2)
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=tx)
+    planned = shardings(state)
+    step = fel.jit_train_step(train_step, state, has_aux=True)
+    state, losses, compiles = three_steps(step, state, batch)
+    assert compiles == 1
+    assert shardings(state) == planned
+    assert state.params["wi"]["kernel"].sharding.spec == P(HIDDEN, "tp")
+    assert state.params["wo"]["bias"].sharding.spec == P(None)
+
+    reference = fel.init_train_state(Partial(), mesh, KEY, batch, tx=tx)
+    reference, ref_losses, _ = three_steps(jax.jit(train_step), reference, batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_jit_train_step_places_the_batch_and_donates_the_state(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    data = fe.batch_sharding(mesh, (8, 16), ("batch", None))
+    step = fel.jit_train_step(lambda s, x: train_step(s, x)[0], state, batch_sharding=data)
+    compiled = step.lower(state, np.asarray(batch)).compile()
+    assert compiled.input_shardings[0][1] == data
+    kernel = state.params["wi"]["kernel"]
+    new = step(state, np.asarray(batch))
+    assert kernel.is_deleted()
+    assert new.params["wi"]["kernel"].sharding == kernel.sharding
+
+
+def test_jit_train_step_needs_arrays_with_shardings(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    with pytest.raises(fe.EscaleTypeError, match=r"state\.step is 0, not an array"):
+        fel.jit_train_step(train_step, state.replace(step=0))

@@ -1,0 +1,298 @@
+"""Mistakes users make with the mesh builders and mesh queries, one case each.
+
+Cases for ``create_mesh``, ``create_cpu_mesh``, ``calculate_host_mesh_shape``,
+``parse_mesh_from_string``, ``cpu_context``, ``initialize_distributed`` and
+``flax_escale.mesh``'s own functions. What a case asserts, and the rest of the table:
+``support/mistakes.py``.
+"""
+
+import pytest
+from support.mistakes import (
+    MISTAKE,
+    T,
+    case,
+    enter,
+    mesh_dp_tp,
+    raises_a_library_error,
+)
+
+import flax_escale as fe
+from flax_escale import mesh as fem
+
+CASES = [
+    # --- a string where a sequence of names is expected -------------------------------------
+    case(
+        lambda: fe.create_mesh((2, 4), "dp"),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="create_mesh-names-string",
+    ),
+    case(
+        lambda: fe.create_mesh((8,), "data"),
+        T,
+        "axis_names",
+        "'data'",
+        r"pass \('data',\)",
+        id="create_mesh-one-name-string",
+    ),
+    case(
+        lambda: fe.create_cpu_mesh((8,), "dp"),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="create_cpu_mesh-names-string",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string("dp:8", "dp"),
+        T,
+        "names",
+        "'dp'",
+        r"\('dp',\)",
+        id="parse_mesh-names-string",
+    ),
+    # --- wrong entries inside a sequence of names ------------------------------------------
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", 4)),
+        T,
+        "axis_names",
+        "int 4",
+        "not a string",
+        id="create_mesh-name-int",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), None),
+        T,
+        "axis_names",
+        "None",
+        r"\('dp', 'tp'\)",
+        id="create_mesh-names-none",
+    ),
+    # --- a wrong type where sizes are expected ---------------------------------------------
+    case(lambda: fe.create_mesh(8), T, "axis_dims", "8", r"pass \(8,\)", id="create_mesh-int"),
+    case(lambda: fe.create_mesh(None), T, "axis_dims", "None", r"\(2, 4\)", id="create_mesh-none"),
+    case(
+        lambda: fe.create_mesh("2,4", ("dp", "tp")),
+        T,
+        "axis_dims",
+        "'2,4'",
+        "parse_mesh_from_string",
+        id="create_mesh-dims-string",
+    ),
+    case(
+        lambda: fe.create_mesh((2, None), ("dp", "tp")),
+        T,
+        "axis_dims",
+        "None",
+        "not an int",
+        id="create_mesh-dim-none",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=1),
+        T,
+        "dcn_mesh_dims",
+        "1",
+        r"pass \(1,\)",
+        id="create_mesh-dcn-int",
+    ),
+    case(
+        lambda: fe.create_mesh({"dp": 2, "tp": 4}),
+        T,
+        "axis_dims",
+        "{'dp': 2, 'tp': 4}",
+        r"\(2, 4\)",
+        id="create_mesh-dict",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(None, ["dp"]),
+        T,
+        "axis_dims",
+        "None",
+        "'dp:2,tp:4'",
+        id="parse_mesh-none",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(8, ["dp"]),
+        T,
+        "axis_dims",
+        "int 8",
+        "'dp:2,tp:4'",
+        id="parse_mesh-int",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string("dp:8", None),
+        T,
+        "names",
+        "None",
+        r"\('dp', 'tp'\)",
+        id="parse_mesh-names-none",
+    ),
+    # --- the mesh builders and mesh queries ------------------------------------------------
+    case(
+        lambda: fe.calculate_host_mesh_shape(8),
+        T,
+        "global_mesh_shape",
+        "int 8",
+        r"pass \(8,\)",
+        id="calculate_host_mesh_shape-int",
+    ),
+    case(
+        lambda: fe.calculate_host_mesh_shape("2,4"),
+        T,
+        "global_mesh_shape",
+        "'2,4'",
+        "parse_mesh_from_string",
+        id="calculate_host_mesh_shape-string",
+    ),
+    case(
+        lambda: fe.calculate_host_mesh_shape((2, 4), total_devices="8"),
+        T,
+        "total_devices",
+        "'8'",
+        "pass the int 8",
+        id="calculate_host_mesh_shape-total-string",
+    ),
+    case(
+        lambda: fe.calculate_host_mesh_shape((2, 4), num_processes=2.0),
+        T,
+        "num_processes",
+        "float 2.0",
+        "pass the int 2",
+        id="calculate_host_mesh_shape-processes-float",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices="cpu"),
+        T,
+        "devices",
+        "'cpu'",
+        r"jax\.devices\('cpu'\)",
+        id="create_mesh-devices-string",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices=8),
+        T,
+        "devices",
+        "int 8",
+        r"jax\.devices\(\)\[:8\]",
+        id="create_mesh-devices-count",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices=["cpu:0", "cpu:1"]),
+        T,
+        "devices",
+        "'cpu:0'",
+        r"jax\.devices\(\)",
+        id="create_mesh-devices-names",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), backend="tpuu"),
+        fe.EscaleError,
+        "backend",
+        "'tpuu'",
+        "platforms JAX lists",
+        id="create_mesh-backend-unknown",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), backend=1),
+        T,
+        "backend",
+        "int 1",
+        "'cpu'",
+        id="create_mesh-backend-int",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "")),
+        fe.EscaleError,
+        "axis_names",
+        "''",
+        "a name such as 'dp'",
+        id="create_mesh-name-empty",
+    ),
+    case(
+        lambda: fe.create_cpu_mesh(8),
+        T,
+        "axis_dims",
+        "8",
+        r"pass \(8,\)",
+        id="create_cpu_mesh-int",
+    ),
+    case(
+        lambda: enter(fe.cpu_context((8,), "dp")),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="cpu_context-names-string",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(b"dp:8", ["dp"]),
+        T,
+        "axis_dims",
+        "bytes b'dp:8'",
+        "'dp:2,tp:4'",
+        id="parse_mesh-bytes",
+    ),
+    case(
+        lambda: fem.parse_mesh_shape("dp:8", "dp"),
+        T,
+        "names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="parse_mesh_shape-names-string",
+    ),
+    case(
+        lambda: fem.resolve_axis_dims(8, 8),
+        T,
+        "axis_dims",
+        "int 8",
+        r"\(2, 4\)",
+        id="resolve_axis_dims-int",
+    ),
+    case(
+        lambda: fem.resolve_axis_dims((2, 4), "8"),
+        T,
+        "device_count",
+        "'8'",
+        "pass the int 8",
+        id="resolve_axis_dims-count-string",
+    ),
+    case(
+        lambda: fe.initialize_distributed(local_device_count=0),
+        fe.EscaleError,
+        "local_device_count",
+        "0",
+        "positive int",
+        id="initialize_distributed-local-devices-zero",
+    ),
+    case(
+        lambda: fe.initialize_distributed(timeout="60"),
+        T,
+        "timeout",
+        "'60'",
+        "number of seconds",
+        id="initialize_distributed-timeout-string",
+    ),
+    case(
+        lambda: fem.assert_same_mesh("dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "create_mesh",
+        id="assert_same_mesh-string",
+    ),
+    case(
+        lambda: fem.assert_same_mesh(mesh_dp_tp(), timeout="1"),
+        T,
+        "timeout",
+        "'1'",
+        "pass e.g. 60",
+        id="assert_same_mesh-timeout-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,0 +1,91 @@
+"""``flax_escale.nnx.stack_layers``: an nnx.vmap stack's values, one layer at a time."""
+
+import importlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from support import EXAMPLES
+
+import flax_escale as fe
+from flax_escale import nnx as fen
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llama():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("nnx_llama")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def _vmapped(llama):
+    """The example's Llama with its stack made the usual way, by nnx.vmap."""
+
+    class Vmapped(llama.Llama):
+        def __init__(self, c, *, rngs):
+            self.embed = nnx.Embed(c.vocab, c.hidden, rngs=rngs)
+
+            @nnx.split_rngs(splits=c.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=fen.stacked())
+            def make(rngs):
+                return llama.Block(c, rngs=rngs)
+
+            self.blocks = make(rngs)
+            self.final_norm = nnx.RMSNorm(c.hidden, rngs=rngs)
+            self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
+
+    return Vmapped
+
+
+def test_values_specs_and_metadata_equal_an_nnx_vmap_stack(llama):
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    config = llama.Config()
+    looped = nnx.state(fe.init_sharded(llama.Llama, mesh, 0, config))
+    vmapped = nnx.state(fe.init_sharded(_vmapped(llama), mesh, 0, config))
+    assert jax.tree.structure(looped) == jax.tree.structure(vmapped)
+    for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(vmapped), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kernel = looped["blocks"]["mlp"]["up"]["kernel"]
+    assert kernel.shape == (config.layers, config.hidden, config.mlp)
+    assert kernel.sharding.spec[0] is None  # the stacked axis stays whole
+
+
+def test_the_cpu_init_draws_one_layer_at_a_time(llama):
+    # Memory from the compiled program (nothing runs): 16 layers of 512 x 2048 on 8 devices.
+    config = llama.Config(
+        vocab=256, hidden=512, heads=8, kv_heads=4, head_dim=64, mlp=2048, layers=16
+    )
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    looped = fe.lower_init(llama.Llama, mesh, 0, config).compile().memory_analysis()
+    vmapped = fe.lower_init(_vmapped(llama), mesh, 0, config).compile().memory_analysis()
+    outputs = looped.output_size_in_bytes
+    assert vmapped.output_size_in_bytes == outputs
+    assert outputs + looped.temp_size_in_bytes <= 1.25 * outputs
+    assert vmapped.temp_size_in_bytes > 1.5 * outputs
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (
+            ("block", 4, "rngs"),
+            fe.EscaleTypeError,
+            r"make must be a function, got the string 'block'",
+        ),
+        ((lambda r: r, 0, "rngs"), fe.EscaleError, r"count .*0"),
+        ((lambda r: r, 4, 0), fe.EscaleTypeError, r"rngs must be an nnx.Rngs, got int 0"),
+    ],
+)
+def test_bad_arguments_are_refused(args, error, match):
+    make, count, rngs = args
+    if rngs == "rngs":
+        rngs = nnx.Rngs(0)
+    with pytest.raises(error, match=match):
+        fen.stack_layers(make, count, rngs)

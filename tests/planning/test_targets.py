@@ -1,0 +1,307 @@
+"""Targets: compiling for the hardware a user will rent, from this CPU-only machine.
+
+A TPU slice is described by JAX (``jax.experimental.topologies``) and compiled for with
+``libtpu``, which the test environment installs; nothing runs on it. The planner's figures on a
+TPU target must be those of the same programs compiled directly, the user's way, on a mesh of
+the slice's devices.
+"""
+
+import importlib.util
+import math
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support.example_modules import load
+
+import flax_escale as fe
+from flax_escale import linen as fel
+from flax_escale.__main__ import main
+from flax_escale.mesh import TPU_GENERATIONS, Target
+from flax_escale.mesh import _target as target_module
+from flax_escale.planning import Workload, plan_mesh
+from flax_escale.planning import _plan as plan_module
+from flax_escale.planning._estimate import RULE_OUT_MARGIN
+from flax_escale.planning._hlo import program_costs
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler is not installed: pip install "flax-escale[tpu]"',
+)
+
+# --- names -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "topology", "chips", "memory"),
+    [
+        ("v5p-8", "v5p:2x2x1", 4, 95 * 10**9),
+        ("v5p-128", "v5p:4x4x4", 64, 95 * 10**9),
+        ("v5e-8", "v5e:2x4", 8, 16 * 10**9),
+        ("v5e-256", "v5e:16x16", 256, 16 * 10**9),
+        ("v6e-64", "v6e:8x8", 64, 32 * 10**9),
+        ("v5e:2x4", "v5e:2x4", 8, 16 * 10**9),
+    ],
+)
+def test_a_tpu_name_gives_its_topology_chips_and_memory(name, topology, chips, memory):
+    target = Target.named(name)
+    assert (target.platform, target.topology, target.device_count) == ("tpu", topology, chips)
+    assert target.memory_bytes == memory
+    assert target.profile in fe.planning.PROFILES
+    assert target.compiler_options == {}
+    assert topology in target.label
+    assert "TPU compiler" in target.label
+
+
+def test_the_slice_describes_as_many_devices_as_it_has_chips():
+    for name in ("v5e-8", "v5p-16", "v6e-4"):
+        target = Target.named(name)
+        devices = target.devices()
+        assert len(devices) == target.device_count
+        assert {d.platform for d in devices} == {"tpu"}
+
+
+def test_cpu_is_simulated_devices_labelled_as_such():
+    target = Target.named("cpu", devices=8)
+    assert target.label == "XLA:CPU, 8 simulated devices"
+    assert target.memory_bytes is None
+    assert target.devices() == jax.devices("cpu")[:8]
+    assert target.compiler_options == {"xla_backend_optimization_level": 0}
+    assert Target.named(target) is target
+
+
+def test_slices_join_over_dcn_with_data_parallelism_across_them():
+    target = Target.named("v5e-8", slices=2)
+    assert target.device_count == 16
+    assert "2 slices over DCN" in target.label
+    mesh = target.mesh((2, 4, 1, 2, 1))
+    slice_of = {d.id: d.slice_index for d in mesh.devices.flat}
+    for dp in range(2):
+        assert {slice_of[d.id] for d in mesh.devices[dp].flat} == {dp}
+    with pytest.raises(fe.EscaleError, match=r"first axis \('dp'.*spans the 2 slices.*multiple"):
+        target.mesh((1, 8, 1, 2, 1))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: Target.named("v7-8"), fe.EscaleError, r"unknown target 'v7-8'.*v5e-N"),
+        (lambda: Target.named("v5p-6"), fe.EscaleError, r"'v5p-6' is not a v5p slice.*v5p-8"),
+        (lambda: Target.named("v5e-12"), fe.EscaleError, r"not a v5e slice.*v5e-8, v5e-16"),
+        (lambda: Target.named("v5e-8", devices=16), fe.EscaleError, r"devices=16 disagrees.*8"),
+        (lambda: Target.named("cpu"), fe.EscaleError, r"pass devices=N"),
+        (lambda: Target.named("cpu", devices=8, slices=2), fe.EscaleError, r"pass slices=1"),
+        (lambda: Target.named(8), fe.EscaleTypeError, r"target must be a name.*got int 8"),
+        (lambda: Target.named("v5e-8", slices=0), fe.EscaleError, r"slices"),
+        (lambda: Target.named("h100-8"), fe.EscaleError, r"GPU clusters.*target='cpu'.*h100"),
+        (lambda: Target.named("gpu"), fe.EscaleError, r"GPU clusters are not a target yet"),
+        (lambda: Target.named("cpu", devices=64).devices(), fe.EscaleError, r"has 8; set jax"),
+    ],
+)
+def test_mistakes_name_the_argument_and_the_fix(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_a_missing_tpu_compiler_names_the_extra(monkeypatch):
+    from jax.experimental import topologies
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Unable to initialize backend 'tpu'")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    monkeypatch.setattr(target_module, "_has_libtpu", lambda: False)
+    target_module._topology_devices.cache_clear()
+    try:
+        with pytest.raises(fe.EscaleError, match=r'needs libtpu.*pip install "flax-escale\[tpu\]"'):
+            Target.named("v5e-4").devices()
+    finally:
+        target_module._topology_devices.cache_clear()
+
+
+def test_every_generation_names_a_profile_with_its_memory():
+    for generation in TPU_GENERATIONS.values():
+        assert fe.planning.PROFILES[generation.profile].memory_bytes == generation.memory_bytes
+
+
+# --- one program, compiled for the target -------------------------------------------------------
+
+
+def _step(w, x):
+    return jnp.sum(jnp.tanh(x @ w))
+
+
+def test_will_it_fit_compiles_for_the_target_with_the_arguments_layout():
+    cpu_mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    w = jax.ShapeDtypeStruct((2048, 1024), jnp.float32, sharding=NamedSharding(cpu_mesh, P("fsdp")))
+    x = jax.ShapeDtypeStruct((64, 2048), jnp.float32, sharding=NamedSharding(cpu_mesh, P()))
+    estimate = fe.will_it_fit(jax.grad(_step), w, x, target="v5e-8")
+    # The same program, laid out by the user on a mesh of the slice's devices.
+    target = Target.named("v5e-8")
+    mesh = target.mesh((1, 8, 1, 1, 1))
+    on_tpu = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec))
+        for a in (w, x)
+    ]
+    direct = jax.jit(jax.grad(_step)).lower(*on_tpu).compile()
+    analysis = direct.memory_analysis()
+    assert estimate.backend == "tpu"
+    assert estimate.device_bytes == 16 * 10**9
+    assert estimate.fits
+    assert (
+        estimate.argument_bytes
+        == analysis.argument_size_in_bytes
+        == (2048 * 1024 * 4) // 8 + (64 * 2048 * 4)
+    )
+    assert estimate.temp_bytes == analysis.temp_size_in_bytes
+    assert estimate.output_bytes == analysis.output_size_in_bytes
+
+
+def test_will_it_fit_refuses_a_mesh_of_another_device_count():
+    mesh = fe.create_mesh((1, 4, 1, 1, 1), devices=jax.devices()[:4])
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    with pytest.raises(fe.EscaleError, match=r"'v5e-8' has 8 devices but an argument.*mesh of 4"):
+        fe.will_it_fit(jax.grad(_step), w, w, target="v5e-8")
+
+
+def test_lower_init_on_a_target_mesh_holds_the_planned_share():
+    model = nn.Dense(
+        4096,
+        use_bias=False,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
+        ),
+    )
+    mesh = Target.named("v5e-8").mesh((1, 4, 1, 2, 1))
+    args = (jax.random.key(0), jnp.zeros((8, 1024)))
+    plan = fe.plan_sharding(model, mesh, *args)
+    compiled = fe.lower_init(model, mesh, *args).compile()
+    assert compiled.memory_analysis().output_size_in_bytes == plan.nbytes_per_device
+    assert plan.nbytes_per_device == 1024 * 4096 * 4 // 8
+
+
+# --- the planner on a TPU slice ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory):
+    gpt = load("linen_gpt")
+    cache = tmp_path_factory.mktemp("tpu_plans") / "plan"
+    plan = plan_mesh(gpt.workload, target="v5e-8", axes=("dp", "fsdp"), cache=cache)
+    return gpt, plan, cache
+
+
+def _abstract_train_state(workload, mesh):
+    """The train state a user lays out on a slice nothing runs on: planned, never made."""
+    plan = fe.plan_sharding(workload.model, mesh, workload.rng, *workload.args)
+    params = plan.treedef.unflatten(
+        [jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=NamedSharding(mesh, e.spec)) for e in plan]
+    )["params"]
+    opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(workload.tx.init, params),
+        fe.opt_state_shardings(workload.tx, params),
+    )
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(
+        step=step, apply_fn=workload.model.apply, params=params, tx=workload.tx, opt_state=opt_state
+    )
+
+
+@pytest.mark.slow
+def test_a_tpu_plan_has_the_figures_of_the_programs_compiled_the_users_way(gpt_plan):
+    gpt, plan, _ = gpt_plan
+    assert plan.devices == 8
+    assert "TPU compiler" in plan.backend
+    assert plan.memory_bytes == 16 * 10**9
+    compiled = [c for c in plan.candidates if c.figures.status == "compiled"]
+    assert len(compiled) == 4, plan.candidates  # dp x fsdp of 8: 8x1, 4x2, 2x4, 1x8
+    target = Target.named("v5e-8")
+    workload = gpt.workload()
+    (tokens,) = workload.batch
+    for candidate in compiled:
+        mesh = target.mesh(candidate.dims)
+        init = fe.lower_init(workload.model, mesh, workload.rng, *workload.args).compile()
+        state = _abstract_train_state(workload, mesh)
+        sharding = fe.batch_sharding(mesh, tokens.shape)
+        batch = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=sharding)
+        jitted = fel.jit_train_step(gpt.train_step, state, batch_sharding=sharding, has_aux=True)
+        with fe.use_sharding(mesh, None):
+            step = jitted.lower(state, batch).compile()
+        f = candidate.figures
+        assert f.init_peak_bytes == fe.will_it_fit(init).peak_bytes, candidate.label
+        assert f.step_peak_bytes == fe.will_it_fit(step).peak_bytes, candidate.label
+        costs = program_costs(step)
+        assert f.collectives == {
+            kind: [c.count, c.bytes, c.wire_bytes] for kind, c in costs.collectives.items()
+        }, candidate.label
+        assert math.prod(candidate.dims) == 8
+
+
+@pytest.mark.slow
+def test_the_command_line_plans_for_a_tpu_slice_from_the_cache(gpt_plan, capsys, monkeypatch):
+    gpt, plan, cache = gpt_plan
+    monkeypatch.setattr(plan_module, "DEFAULT_CACHE", cache.parent)
+    code = main(
+        ["plan", f"{gpt.__file__}:workload", "--target", "v5e-8", "--axes", "dp,fsdp", "--top", "2"]
+    )
+    out = capsys.readouterr().out
+    assert code == (0 if plan.best is not None else 1)
+    assert "TPU compiler" in out
+    assert "v5e:2x4" in out
+
+
+# --- ruled out by the textbook, never the best ------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    """A two-layer MLP annotated like a transformer's: column- then row-parallel kernels."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(8192, kernel_init=kernel(init, ("hidden_state", "mlp_intermediate")))(x)
+        return nn.Dense(2048, kernel_init=kernel(init, ("mlp_intermediate", "hidden_state")))(
+            nn.gelu(h)
+        )
+
+
+def mlp_workload(batch=64):
+    # Wide and fed a small batch: communication decides, so the floor has meshes to rule out.
+    x = jax.ShapeDtypeStruct((batch, 2048), jnp.float32)
+    return Workload(_Mlp(), jax.random.key(0), (x,), tx=optax.adam(1e-3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["v5e-8", "v5p-128"])
+def test_no_mesh_ruled_out_before_compiling_would_have_ranked_first(name, tmp_path):
+    every = plan_mesh(mlp_workload, target=name, exhaustive=True, cache=tmp_path)
+    quick = plan_mesh(mlp_workload, target=name, cache=tmp_path)
+    assert every.best is not None
+    assert quick.best.dims == every.best.dims
+    assert quick.best.step_seconds == every.best.step_seconds
+    compiled = {c.dims: c for c in every.candidates if c.figures.status == "compiled"}
+    ruled_out = [c for c in quick.candidates if c.figures.status == "ruled out"]
+    assert ruled_out, "nothing is ruled out on this workload: the test would check nothing"
+    for candidate in ruled_out:
+        truth = compiled[candidate.dims]
+        assert truth.step_seconds > every.best.step_seconds, candidate.label
+        textbook = candidate.figures.textbook_seconds
+        assert textbook > RULE_OUT_MARGIN * quick.best.step_seconds, candidate.label
+        assert f"more than {RULE_OUT_MARGIN:g} x the" in candidate.figures.reason
+    assert len([c for c in quick.candidates if c.figures.status == "compiled"]) < len(compiled)
+
+
+@pytest.mark.slow
+def test_a_compiled_row_says_what_bounds_its_step(gpt_plan):
+    _, plan, _ = gpt_plan
+    notes = plan.best.explain(plan.profile)
+    assert re.match(r"(compute|communication)-bound \(\d+%\); \S+ sends \d+% of the bytes; ", notes)
+    assert "tokens/device" in notes

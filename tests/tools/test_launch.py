@@ -1,0 +1,247 @@
+"""``python -m flax_escale launch``: real processes on loopback, as one job.
+
+Every process the tests start sleeps at most a minute, so none can outlive a failed test for
+long; timeouts are hang guards, never measurements.
+"""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import flax_escale as fe
+from flax_escale.__main__ import main
+from flax_escale.tools._launch import free_port, launch, process_environment
+
+HANG_GUARD = 180
+
+
+def write(tmp_path, name, code):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+def run_launcher(*args, timeout=HANG_GUARD):
+    return subprocess.run(
+        [sys.executable, "-m", "flax_escale", "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.multiprocess
+def test_processes_form_one_job_and_their_lines_carry_their_rank(tmp_path):
+    script = write(
+        tmp_path,
+        "job.py",
+        """
+        import os, sys
+        import jax
+        import numpy as np
+        from jax.experimental import multihost_utils
+        import flax_escale as fe
+
+        cluster = fe.initialize_distributed()
+        rank = int(os.environ["FLAX_ESCALE_PROCESS_ID"])
+        assert cluster.process_id == jax.process_index() == rank
+        assert jax.process_count() == 2 and len(jax.local_devices()) == 3
+        assert jax.default_backend() == "cpu"
+        ranks = multihost_utils.process_allgather(np.array([jax.process_index()]))
+        print(f"rank {jax.process_index()} sees {ranks.ravel().tolist()} args {sys.argv[1:]}")
+        print(f"rank {jax.process_index()} on stderr", file=sys.stderr)
+        jax.distributed.shutdown()
+        """,
+    )
+    done = run_launcher("--processes", "2", "--devices-per-process", "3", script, "--x", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        # Not up to the line's end: native logging (gloo's) may land before the newline.
+        assert f"[{rank}] rank {rank} sees [0, 1] args ['--x', '1']" in done.stdout
+        assert f"[{rank}] rank {rank} on stderr" in done.stderr
+    assert all(line.startswith(("[0] ", "[1] ")) for line in done.stdout.splitlines())
+
+
+@pytest.mark.multiprocess
+def test_a_failing_process_stops_the_others_and_gives_its_exit_code(tmp_path):
+    script = write(
+        tmp_path,
+        "fail.py",
+        """
+        import os, sys, time
+        rank = int(os.environ["FLAX_ESCALE_PROCESS_ID"])
+        print("started", flush=True)
+        if rank == 1:
+            sys.exit(7)
+        time.sleep(60)
+        print("finished", flush=True)
+        """,
+    )
+    done = run_launcher("--processes", "3", script)
+    assert done.returncode == 7
+    assert "[1] started" in done.stdout
+    assert "finished" not in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    script = write(
+        tmp_path,
+        "stubborn.py",
+        """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["FLAX_ESCALE_PROCESS_ID"] == "1":
+            time.sleep(0.5)
+            sys.exit(5)
+        time.sleep(60)
+        print("finished", flush=True)
+        """,
+    )
+    done = run_launcher("--processes", "2", "--grace", "1", script)
+    assert done.returncode == 5
+    assert "finished" not in done.stdout
+
+
+def _start_and_signal(script, signum, ready_lines, *, whole_group=False):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "flax_escale", "launch", "--processes", "2", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=whole_group,  # its own process group, as a terminal's foreground job
+    )
+    guard = threading.Timer(HANG_GUARD, launcher.kill)
+    guard.start()
+    try:
+        seen = []
+        while len(seen) < ready_lines:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended before its processes were ready"
+            seen.append(line)
+        if whole_group:  # what a terminal's Ctrl-C does: the signal to the whole group
+            os.killpg(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
+        out, err = launcher.communicate()
+    finally:
+        guard.cancel()
+    return launcher.returncode, "".join(seen) + out, err
+
+
+@pytest.mark.multiprocess
+def test_sigterm_is_passed_on_to_every_process(tmp_path):
+    script = write(
+        tmp_path,
+        "handler.py",
+        """
+        import os, signal, sys, time
+        rank = int(os.environ["FLAX_ESCALE_PROCESS_ID"])
+        def stop(signum, frame):
+            print(f"stopping on {signum}", flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, stop)
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    code, out, _ = _start_and_signal(script, signal.SIGTERM, ready_lines=2)
+    assert code == 3
+    for rank in range(2):
+        assert f"[{rank}] stopping on {int(signal.SIGTERM)}" in out
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_stops_every_process_through_the_launcher(tmp_path):
+    # A terminal's Ctrl-C signals the launcher's process group; the processes, in their own
+    # sessions, get it from the launcher and end the Python way (KeyboardInterrupt, cleanup).
+    script = write(
+        tmp_path,
+        "interrupted.py",
+        """
+        import time
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            time.sleep(0.5)  # a second SIGINT would land here
+            print("cleaned up", flush=True)
+            raise
+        """,
+    )
+    code, out, err = _start_and_signal(script, signal.SIGINT, ready_lines=2, whole_group=True)
+    assert code == 128 + signal.SIGINT  # Python ends on an uncaught KeyboardInterrupt by SIGINT
+    for rank in range(2):
+        assert f"[{rank}] cleaned up" in out
+        assert f"[{rank}] KeyboardInterrupt" in err
+
+
+@pytest.mark.multiprocess
+def test_a_module_can_be_launched(tmp_path):
+    package = tmp_path / "pkg_for_launch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "hello.py").write_text("import os\nprint('hello', os.environ['JAX_PLATFORMS'])\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "flax_escale", "launch", "-m", "pkg_for_launch.hello"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] hello cpu", "[1] hello cpu"]
+
+
+@pytest.mark.multiprocess
+def test_launch_in_process_writes_prefixed_lines(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    command = [sys.executable, "-c", "import sys; print('a'); print('b', end='', file=sys.stderr)"]
+    assert launch(command, processes=2, stdout=out, stderr=err) == 0
+    assert sorted(out.getvalue().splitlines()) == ["[0] a", "[1] a"]
+    assert sorted(err.getvalue().splitlines()) == ["[0] b", "[1] b"]  # a last line ended
+
+
+def test_what_each_process_is_given():
+    env = process_environment(1, 2, "127.0.0.1:4000", 4)
+    assert env == {
+        "FLAX_ESCALE_COORDINATOR_ADDRESS": "127.0.0.1:4000",
+        "FLAX_ESCALE_NUM_PROCESSES": "2",
+        "FLAX_ESCALE_PROCESS_ID": "1",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": "4",
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        "PYTHONUNBUFFERED": "1",
+    }
+    assert 0 < free_port() < 65536
+
+
+def test_bad_launches_are_refused():
+    with pytest.raises(fe.MeshError, match="launch needs a command"):
+        launch([], processes=2)
+    with pytest.raises(fe.MeshError, match="processes must be a positive int, got 0"):
+        launch([sys.executable, "-c", "pass"], processes=0)
+    with pytest.raises(fe.MeshError, match="devices_per_process must be a positive int, got -1"):
+        launch([sys.executable, "-c", "pass"], processes=1, devices_per_process=-1)
+    with pytest.raises(FileNotFoundError):
+        launch(["/nonexistent/program"], processes=2)
+
+
+def test_command_line_errors(capsys):
+    assert main(["launch", "--processes", "0", "x.py"]) == 2
+    assert "python -m flax_escale launch: processes must be a positive int" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "{launch,plan}" in capsys.readouterr().err  # the usage names the subcommands
