@@ -111,7 +111,7 @@ def main() -> None:
             )
     print(
         "invalid specs: 0 by construction (every spec is placed as a NamedSharding on the "
-        "mesh; every automatic spec divides its shape, see tests/test_auto_sharding.py)"
+        "mesh; every automatic spec divides its shape, see tests/sharding/test_auto_sharding.py)"
     )
 
 
