@@ -19,7 +19,7 @@ from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target
 from flax_escale.plan import ShardingPlan
 from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
-from flax_escale.planning._hlo import program_costs
+from flax_escale.planning._hlo import READER_VERSION, program_costs
 from flax_escale.planning._workload import Workload, batch_shardings, lower_programs
 from flax_escale.resolve import as_logical_rules
 from flax_escale.tools._data import batch_resolution
@@ -198,7 +198,12 @@ def _compile(
             corrections,
             state_bytes=programs.state_bytes,
         )
-    key = _cache_key(target.label, programs.init.as_text(), programs.step.as_text())
+    key = _cache_key(
+        f"reader {READER_VERSION}",
+        target.label,
+        programs.init.as_text(),
+        programs.step.as_text(),
+    )
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(

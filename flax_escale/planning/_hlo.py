@@ -56,7 +56,18 @@ from flax_escale.planning._hlo_text import (
     group_size,
 )
 
-__all__ = ["CollectiveCost", "ProgramCosts", "Rewrite", "collective_bytes", "program_costs"]
+__all__ = [
+    "READER_VERSION",
+    "CollectiveCost",
+    "ProgramCosts",
+    "Rewrite",
+    "collective_bytes",
+    "program_costs",
+]
+
+READER_VERSION = 2
+"""Changes whenever the same program text would be read into other figures (cached figures
+keyed by the program alone would otherwise outlive a fix to the reader)."""
 
 _KINDS = (
     "all-reduce",
