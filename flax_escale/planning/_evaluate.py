@@ -25,7 +25,7 @@ from flax_escale.planning._estimate import (
     textbook_communication,
     tokens_per_device,
 )
-from flax_escale.planning._hlo import program_costs
+from flax_escale.planning._hlo import READER_VERSION, program_costs
 from flax_escale.planning._profiles import HardwareProfile
 from flax_escale.planning._workload import Workload, batch_shardings, lower_programs
 from flax_escale.resolve import as_logical_rules
@@ -265,7 +265,12 @@ def _compile(
             corrections,
             state_bytes=programs.state_bytes,
         )
-    key = _cache_key(target.label, programs.init.as_text(), programs.step.as_text())
+    key = _cache_key(
+        f"reader {READER_VERSION}",
+        target.label,
+        programs.init.as_text(),
+        programs.step.as_text(),
+    )
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(

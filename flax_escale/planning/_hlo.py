@@ -2,21 +2,72 @@
 
 A layer stack run with ``nn.scan`` / ``jax.lax.scan`` compiles to one ``while`` loop whose body
 holds each layer's all-gathers and matrix multiplications once; what a step moves and computes
-is that body's share times the trip count XLA records on the loop. Counting the text of the
-program once (as XLA's own ``cost_analysis()`` does for FLOPs) would undercount a stacked model
-by its number of layers.
+is that body's share times the loop's trip count (recorded by XLA:CPU, worked out from the
+loop's counter for the TPU compiler, which drops the record: :mod:`._hlo_loops`).
+
+FLOPs are counted from the program, not taken from XLA's ``cost_analysis()``: that counts a
+loop body once, on XLA:CPU and on the TPU compiler alike, so it undercounts a stacked model by
+its number of layers. Every ``dot`` and ``convolution`` counts (the TPU compiler writes matrix
+multiplications as convolutions inside fusions; :mod:`._hlo_flops`), in whatever computation it
+sits, times the trips of the loops around it; checked against ``6 x parameters x tokens`` plus
+attention's, exactly, on both compilers.
+
+Compilers write the same collective in several forms; each is counted once, as what it is:
+
+- synchronous ops (``all-gather(...)``); asynchronous pairs (``all-gather-start`` /
+  ``all-gather-done``, ``collective-permute-start`` / ``-done``, ``all-reduce-start`` /
+  ``-done``), counted at the ``-done``; an ``async-start`` wrapping a collective's computation
+  (with its ``async-update`` / ``async-done``), that computation once;
+- the TPU compiler's asynchronous collective fusions: a ``kCustom`` fusion whose computation
+  ends in the ``AsyncCollectiveStart`` custom call holds the collective; the fusions that
+  continue it (``continuation_config``) and the one ending in ``AsyncCollectiveDone`` repeat
+  it and are not counted again (the computations fused into them are);
+- the TPU compiler's reduce-scatter, an ``all-reduce-scatter`` fusion (emitted as one
+  ``AllReduceScatterFusion`` kernel around an all-reduce and a slice): a ``reduce-scatter``
+  whose result is the fusion's;
+- collective-permute rings (a windowed matmul's all-gather or reduce-scatter): the permutes,
+  as what they are.
+
+Where a compiler writes a collective differently from the textbook's (the scaling book's
+per-strategy counts), :attr:`ProgramCosts.rewrites` says so (:mod:`._hlo_rewrites`): XLA:CPU,
+for one, reduces FSDP gradients with an all-reduce whose result is then sliced, where the
+textbook reduce-scatters them. :attr:`ProgramCosts.collective_dtypes` says in which element
+types the bytes move: the TPU compiler, for one, gathers FSDP weights in bfloat16 (the type
+its matrix unit takes at default precision), half the bytes of float32 parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CollectiveCost", "ProgramCosts", "collective_bytes", "program_costs"]
+from flax_escale.planning import _hlo_rewrites as rewrites
+from flax_escale.planning._hlo_flops import flops
+from flax_escale.planning._hlo_loops import trip_count
+from flax_escale.planning._hlo_text import (
+    Computation,
+    Instruction,
+    Module,
+    array_bytes,
+    array_types,
+    group_size,
+)
+
+__all__ = [
+    "READER_VERSION",
+    "CollectiveCost",
+    "ProgramCosts",
+    "Rewrite",
+    "collective_bytes",
+    "program_costs",
+]
+
+READER_VERSION = 2
+"""Changes whenever the same program text would be read into other figures (cached figures
+keyed by the program alone would otherwise outlive a fix to the reader)."""
 
 _KINDS = (
     "all-reduce",
@@ -28,7 +79,7 @@ _KINDS = (
     "collective-broadcast",
 )
 # Bytes each device sends (and receives) per byte of a collective's result on one device, for
-# the bandwidth-optimal ring algorithms over a group of n devices; None: the factor is (n - 1).
+# the bandwidth-optimal ring algorithms over a group of n devices.
 _WIRE = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
     "all-gather": lambda n: (n - 1) / n,
@@ -38,25 +89,8 @@ _WIRE = {
     "collective-permute": lambda n: 1,
     "collective-broadcast": lambda n: 1,
 }
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_DEFINES = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-# A synchronous collective, or the -done half of an asynchronous one (whose result is just the
-# output; the -start half's tuple also holds the input).
-_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(_KINDS) + r")(?:-done)?\(")
-_DOT = re.compile(
-    r"=\s*(?P<result>\S+)\s+dot\(%?(?P<lhs>[\w.\-]+),.*?lhs_contracting_dims=\{(?P<dims>[\d,]*)\}"
-)
-_ARRAY = re.compile(r"\b(pred|bf16|f8e\w+|[suf]\d+|c\d+)\[([\d,]*)\]")
-_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLS = re.compile(r"\b(?:calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-_BITS = re.compile(r"[a-z]+?(\d+)")
-_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
-_REPLICAS = re.compile(r"\breplica_count=(\d+)")
-_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_REDUCE_SCATTER_FUSION = re.compile(r'"emitter":"\w*AllReduceScatterFusion"')
+_CONTINUATION = re.compile(r'"continuation_config"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +111,59 @@ class CollectiveCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """A collective the compiler wrote in another form than the textbook's, over one run.
+
+    The collectives that run in its place are counted in :attr:`ProgramCosts.collectives`
+    under their own kinds (``all-reduce`` for an all-reduce + slice, ``collective-permute``
+    for a ring); this says what they stand for.
+
+    Attributes:
+        textbook: The collective the program means: ``"reduce-scatter"``, ``"all-gather"``.
+        written_as: The form that runs: ``"all-reduce + dynamic-slice"`` or
+            ``"collective-permute ring in a windowed matmul loop"``.
+        count: How many of the textbook's collectives it stands for, per run.
+        bytes: Their result bytes as the textbook's collective would give them (the kept
+            shard of a reduce-scatter, the gathered array of an all-gather), summed.
+        wire_bytes: What one device sends for the form that runs. The textbook's ring sends
+            ``bytes * (n - 1)`` for a reduce-scatter, ``bytes * (n - 1) / n`` for an
+            all-gather.
+    """
+
+    textbook: str
+    written_as: str
+    count: int
+    bytes: int
+    wire_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ProgramCosts:
     """What one run of a compiled program does on one device, loop trips included.
 
     Attributes:
         collectives: ``{kind: CollectiveCost}`` for the kinds the program runs.
-        dot_flops: FLOPs of its matrix multiplications (``2 * result size * contracted size``
-            per ``dot``), each loop's counted once per trip.
+        dot_flops: FLOPs of its matrix multiplications (``dot``: ``2 * result size *
+            contracted size``; ``convolution``: as XLA's cost analysis counts it), inside
+            fusions too, each loop's counted once per trip.
         dot_flops_once: The same with every loop body counted once, as XLA's
-            ``cost_analysis()`` counts them.
+            ``cost_analysis()`` counts them (so ``cost_analysis()["flops"] - dot_flops_once
+            + dot_flops`` is XLA's count with loop trips corrected).
+        rewrites: The collectives written differently from the textbook's
+            (:class:`Rewrite`), one entry per form and textbook kind.
+        collective_dtypes: ``{kind: {element type: result bytes}}``: in which types each
+            kind's bytes move.
+        unknown_trip_loops: ``while`` loops whose trip count could not be read (neither
+            recorded by the compiler nor a counter compared with a constant), each counted as
+            running once, as many times as they run.
     """
 
     collectives: Mapping[str, CollectiveCost]
     dot_flops: float
     dot_flops_once: float
+    rewrites: tuple[Rewrite, ...] = ()
+    collective_dtypes: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    unknown_trip_loops: int = 0
 
     @property
     def collective_count(self) -> int:
@@ -107,11 +180,14 @@ def program_costs(program: Any) -> ProgramCosts:
     """Collectives and matrix-multiplication FLOPs of one run of a compiled SPMD program.
 
     Args:
-        program: A ``jax.stages.Compiled``, or its HLO text (``compiled.as_text()``).
+        program: A ``jax.stages.Compiled``, or its HLO text (``compiled.as_text()``), from
+            XLA:CPU, the TPU compiler (``jax.experimental.topologies``) or XLA's GPU backend.
 
     Returns:
-        The :class:`ProgramCosts` on one device. A loop with a trip count XLA knows counts
-        that many times; one it does not know counts once; every branch of a conditional
+        The :class:`ProgramCosts` on one device. A loop counts as many times as it runs: the
+        trip count the compiler records, or else the one its counter gives (a counter
+        compared with a constant, as the TPU compiler leaves scanned loops); one with neither
+        counts once (:attr:`ProgramCosts.unknown_trip_loops`). Every branch of a conditional
         counts. A collective's group size comes from its ``replica_groups`` (listed, iota or
         mesh-axes form; empty means every device of the program).
 
@@ -134,16 +210,7 @@ def program_costs(program: Any) -> ProgramCosts:
         (32768.0, 8192.0)
     """  # noqa: E501
     text = program if isinstance(program, str) else program.as_text()
-    computations, entry, devices = _computations(text)
-    totals = dict(_totals(tuple(sorted(computations.items())), entry, devices))
-    collectives = {
-        kind: CollectiveCost(
-            int(totals[kind, "count"]), int(totals[kind, "bytes"]), totals[kind, "wire"]
-        )
-        for kind in _KINDS
-        if totals[kind, "count"]
-    }
-    return ProgramCosts(collectives, totals["flops"], totals["flops once"])
+    return _costs(text)
 
 
 def collective_bytes(program: Any) -> dict[str, int]:
@@ -173,110 +240,141 @@ def collective_bytes(program: Any) -> dict[str, int]:
     return {kind: cost.bytes for kind, cost in program_costs(program).collectives.items()}
 
 
-def _computations(text: str) -> tuple[dict[str, tuple[str, ...]], str, int]:
-    computations: dict[str, tuple[str, ...]] = {}
-    entry, name, body = "", None, []
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            name, body = header.group(1), []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name is not None and line.strip() == "}":
-            computations[name] = tuple(body)
-            name = None
-        elif name is not None:
-            body.append(line)
-    partitions, replicas = _PARTITIONS.search(text), _REPLICAS.search(text)
-    devices = int(partitions.group(1)) if partitions else 1
-    devices *= int(replicas.group(1)) if replicas else 1
-    return computations, entry, devices
+# --- the walk ---------------------------------------------------------------------------------
+
+# Running sums over a computation, by key: (kind, "count" | "bytes" | "wire"),
+# (kind, "type", element type), ("rewrite", textbook, written_as, "count" | "bytes" | "wire"),
+# "flops", "flops once", "unknown loops".
+_Sums = dict[Any, float]
 
 
 @functools.lru_cache(maxsize=16)
-def _totals(
-    computations: tuple[tuple[str, tuple[str, ...]], ...], entry: str, devices: int
-) -> tuple[tuple[Any, float], ...]:
-    by_name = dict(computations)
+def _costs(text: str) -> ProgramCosts:
+    module = Module.parse(text)
+    sums = _Walk(module).total(module.entry, True)
+    collectives = {
+        kind: CollectiveCost(int(sums[kind, "count"]), int(sums[kind, "bytes"]), sums[kind, "wire"])
+        for kind in _KINDS
+        if sums.get((kind, "count"))
+    }
+    dtypes: dict[str, dict[str, int]] = {}
+    for key, value in sorted(sums.items(), key=lambda item: str(item[0])):
+        if isinstance(key, tuple) and len(key) == 3 and key[1] == "type":
+            dtypes.setdefault(key[0], {})[key[2]] = int(value)
+    forms = sorted({key[1:3] for key in sums if isinstance(key, tuple) and key[0] == "rewrite"})
+    found = tuple(
+        Rewrite(
+            textbook,
+            written,
+            int(sums["rewrite", textbook, written, "count"]),
+            int(sums["rewrite", textbook, written, "bytes"]),
+            sums["rewrite", textbook, written, "wire"],
+        )
+        for textbook, written in forms
+    )
+    return ProgramCosts(
+        collectives,
+        sums.get("flops", 0.0),
+        sums.get("flops once", 0.0),
+        found,
+        {kind: dtypes[kind] for kind in collectives if kind in dtypes},
+        int(sums.get("unknown loops", 0)),
+    )
 
-    @functools.cache
-    def total(name: str) -> dict[Any, float]:
-        sums: dict[Any, float] = {"flops": 0.0, "flops once": 0.0}
-        for kind in _KINDS:
-            sums[kind, "count"] = sums[kind, "bytes"] = sums[kind, "wire"] = 0
-        shapes: dict[str, list[int]] = {}
-        for line in by_name.get(name, ()):
-            defined = _DEFINES.match(line)
-            if defined is not None:
-                array = _ARRAY.search(defined.group(2))
-                if array is not None:
-                    shapes[defined.group(1)] = _dims(array.group(2))
-            op = _OP.search(line)
-            if op is not None:
-                kind, size = op.group("kind"), _nbytes(op.group("result"))
-                sums[kind, "count"] += 1
-                sums[kind, "bytes"] += size
-                sums[kind, "wire"] += size * _WIRE[kind](_group_size(line, devices))
-            dot = _DOT.search(line)
-            if dot is not None:
-                flops = 2.0 * _elements(dot.group("result")) * _contracted(dot, shapes)
-                sums["flops"] += flops
-                sums["flops once"] += flops
-            for callee, times in _callees(line):
-                for key, value in total(callee).items():
-                    # Cost analysis counts a loop body once, whatever its trip count.
-                    sums[key] += value if key == "flops once" else times * value
+
+class _Walk:
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.total = functools.cache(self._total)
+
+    def _total(self, name: str, collectives: bool) -> _Sums:
+        # What one run of computation ``name`` does; ``collectives`` False: its collectives
+        # repeat ones counted elsewhere (an async collective fusion's later parts).
+        computation = self.module.computations.get(name)
+        sums: _Sums = {}
+        for op in computation.instructions if computation is not None else ():
+            self._instruction(computation, op, collectives, sums)
         return sums
 
-    return tuple(total(entry).items())
+    def _instruction(
+        self, computation: Computation, op: Instruction, collectives: bool, sums: _Sums
+    ) -> None:
+        done = op.opcode.endswith("-done") and op.opcode != "async-done"
+        kind = op.opcode[: -len("-done")] if done else op.opcode
+        if kind in _KINDS:
+            if collectives:
+                # A -done's start holds the replica groups.
+                start = computation.by_name.get(op.operands[0]) if done and op.operands else None
+                self._collective(sums, kind, op, start or op)
+                if kind == "all-reduce":
+                    n = group_size(start or op, self.module.devices)
+                    for array in rewrites.sliced_arrays(self.module, computation, op, n):
+                        size = array_bytes(array)
+                        wire = size * _WIRE["all-reduce"](n)
+                        _rewrite(sums, "reduce-scatter", rewrites.SLICED, size // n, wire)
+        elif op.opcode == "while":
+            trips = trip_count(self.module, computation, op)
+            if trips is None:
+                _add(sums, "unknown loops", 1)
+                trips = 1
+            for body in op.called("body"):
+                _merge(sums, self.total(body, collectives), trips)
+            ring = rewrites.ring(self.module, computation, op, trips)
+            if ring is not None and collectives:
+                _rewrite(sums, ring[0], rewrites.WINDOWED, ring[1], ring[2])
+        elif op.opcode == "fusion":
+            self._fusion(op, collectives, sums)
+        elif op.opcode in ("conditional", "call", "async-start"):
+            called = op.called("branch_computations") or (
+                op.called("true_computation") + op.called("false_computation")
+            )
+            for callee in called + op.called("to_apply") + op.called("calls"):
+                _merge(sums, self.total(callee, collectives), 1)
+        else:
+            counted = flops(self.module, computation, op)
+            if counted is not None:
+                _add(sums, "flops", counted)
+                _add(sums, "flops once", counted)
+
+    def _fusion(self, op: Instruction, collectives: bool, sums: _Sums) -> None:
+        callees = op.called("calls")
+        fused = [self.module.computations.get(c) for c in callees]
+        if op.attribute(_REDUCE_SCATTER_FUSION) or any(
+            c.startswith("all-reduce-scatter") for c in callees
+        ):
+            # One kernel that reduces and keeps this device's share: a reduce-scatter.
+            if collectives:
+                inner = (i for c in fused if c for i in c.instructions if i.opcode == "all-reduce")
+                self._collective(sums, "reduce-scatter", op, next(inner, op))
+            return
+        repeats = op.attribute(_CONTINUATION) is not None or any(
+            c is not None and c.root is not None and c.root.custom_target == "AsyncCollectiveDone"
+            for c in fused
+        )
+        for callee in callees:
+            _merge(sums, self.total(callee, collectives and not repeats), 1)
+
+    def _collective(self, sums: _Sums, kind: str, op: Instruction, grouped: Instruction) -> None:
+        # ``op`` gives the result, ``grouped`` the replica groups.
+        size = array_bytes(op.shape)
+        _add(sums, (kind, "count"), 1)
+        _add(sums, (kind, "bytes"), size)
+        _add(sums, (kind, "wire"), size * _WIRE[kind](group_size(grouped, self.module.devices)))
+        for dtype, part in array_types(op.shape):
+            _add(sums, (kind, "type", dtype), part)
 
 
-def _callees(line: str) -> list[tuple[str, int]]:
-    callees: list[tuple[str, int]] = []
-    loop = _WHILE.search(line)
-    if loop is not None:
-        trips = _TRIPS.search(line)
-        callees.append((loop.group(1), int(trips.group(1)) if trips else 1))
-    for called in _CALLS.findall(line):
-        names = called.strip("{}").split(",")
-        callees += [(c.strip().lstrip("%"), 1) for c in names if c.strip()]
-    return callees
+def _rewrite(sums: _Sums, textbook: str, written: str, size: float, wire: float) -> None:
+    _add(sums, ("rewrite", textbook, written, "count"), 1)
+    _add(sums, ("rewrite", textbook, written, "bytes"), size)
+    _add(sums, ("rewrite", textbook, written, "wire"), wire)
 
 
-def _group_size(line: str, devices: int) -> int:
-    listed = _GROUPS_LISTED.search(line)
-    if listed is not None:
-        return max(1, len([d for d in listed.group(1).split(",") if d]))
-    iota = _GROUPS_IOTA.search(line)
-    if iota is not None:
-        return int(iota.group(1))
-    meshed = _GROUPS_MESH.search(line)
-    if meshed is not None:
-        sizes = {axis: int(size) for axis, size in _MESH_AXIS.findall(meshed.group(1))}
-        chosen = re.findall(r"'([^']+)'", meshed.group(2))
-        return math.prod(sizes.get(axis, 1) for axis in chosen) if chosen else devices
-    return devices
+def _add(sums: _Sums, key: Any, value: float) -> None:
+    sums[key] = sums.get(key, 0) + value
 
 
-def _contracted(dot: re.Match[str], shapes: dict[str, list[int]]) -> int:
-    lhs = shapes.get(dot.group("lhs"))
-    if lhs is None:
-        return 1
-    return math.prod(lhs[int(d)] for d in dot.group("dims").split(",") if d)
-
-
-def _dims(text: str) -> list[int]:
-    return [int(d) for d in text.split(",") if d]
-
-
-def _elements(result: str) -> int:
-    array = _ARRAY.search(result)
-    return math.prod(_dims(array.group(2))) if array else 0
-
-
-def _nbytes(result: str) -> int:
-    size = 0
-    for dtype, dims in _ARRAY.findall(result):
-        bits = _BITS.match(dtype)
-        size += -(-math.prod(_dims(dims)) * (int(bits.group(1)) if bits else 8) // 8)
-    return size
+def _merge(sums: _Sums, inner: _Sums, times: int) -> None:
+    for key, value in inner.items():
+        # Cost analysis counts a loop body once, whatever its trip count.
+        _add(sums, key, value if key == "flops once" else times * value)
