@@ -2,51 +2,73 @@
 
 Run: ``python bench/resolution_speed.py [rounds]`` (default 5 rounds per condition).
 
-What is compared, in one process, on the same tree, mesh and rules
+What is compared, in one process, on the same model, mesh and rules
 (``PartitionAxis().logical_axis_rules()``), on 8 simulated CPU devices (mesh ``dp=1, fsdp=4,
-ep=1, tp=2, sp=1``):
+ep=1, tp=2, sp=1``). The model is a decoder-only transformer annotated with this library's
+logical names: an embedding, then per layer attention kernels (query, grouped key/value,
+output), a gated MLP (two input kernels, an output kernel and bias) and two norm scales, then a
+final norm and an output head; about 1,000, 10,000 and 100,000 leaves. Every layer has its own
+widths (no two layers share a shape), so about 60% of the parameters are distinct ``(names,
+shape)`` pairs and a cache keyed by them has little to reuse.
 
-- flax_escale, input ``boxes``: ``fe.logical_to_mesh_sharding(tree, mesh, rules)``, the
-  library's drop-in given the annotated tree itself. It reads every annotation and resolves it
-  *shape-aware*: a rule whose mesh axes do not divide the dimension is passed over, what still
-  does not fit is corrected and warned about (``strict`` raises), optimizer state would follow
-  its parameter. It returns one ``NamedSharding`` per array.
-- flax_escale, input ``specs``: ``fe.logical_to_mesh_sharding(nn.get_partition_spec(tree),
-  mesh, rules)``: the same input as Flax's, so not shape-aware (there is no shape to see).
-- Flax: ``nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)``. It takes
-  specs, not arrays: it never sees a shape, checks nothing, and hands back whatever the rules
-  say, divisible or not.
+The library's side is always ``fe.logical_to_mesh_sharding(tree, mesh, rules)`` given the tree
+as the user has it: one path, the plan ``fe.plan_sharding`` makes (every annotation read the
+one way, resolution *shape-aware*: a rule whose mesh axes do not divide the dimension is passed
+over, what still does not fit is corrected and warned about, optimizer state follows its
+parameter, idle mesh axes are put to use on large arrays), then one ``NamedSharding`` per
+array. Flax's side is what Flax offers for the same tree, timed end to end from the same input
+(extracting the specs included):
 
-Every call is timed end to end from the same boxed tree (``nn.get_partition_spec`` included
-where it is called). The trees are what ``jax.eval_shape`` of a Linen ``init`` gives for a
-decoder-only transformer annotated with this library's logical names: ``{"params": ...}`` of
-``nn.LogicallyPartitioned`` boxes around ``jax.ShapeDtypeStruct``, an embedding, then per layer
-attention kernels (query, grouped key/value, output), a gated MLP (two input kernels, an output
-kernel and bias) and two norm scales, then a final norm and an output head: about 1,000, 10,000
-and 100,000 leaves. Every layer has its own widths (no two layers share a shape), so about 60%
-of the leaves are distinct ``(names, shape)`` pairs and a cache keyed by them has little to
-reuse. Every dimension is divisible by the mesh axes its rules name, so all three must agree:
-the script checks it for every leaf (``NamedSharding.is_equivalent_to`` on the leaf's rank).
+- ``linen``: ``jax.eval_shape`` of a Linen ``init``: ``{"params": ...}`` of
+  ``nn.LogicallyPartitioned`` boxes around ``jax.ShapeDtypeStruct``. Flax:
+  ``nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)``.
+- ``specs``: the library given Flax's own input, ``nn.get_partition_spec(tree)`` of the
+  ``linen`` tree (its time includes that call): specs carry no shapes, so they resolve as Flax
+  resolves them. Flax: as for ``linen``.
+- ``nnx``: ``nnx.state(nnx.eval_shape(...))`` of an NNX model whose ``nnx.Param`` s carry
+  Flax's ``out_sharding`` metadata (logical names). Flax, as its guide does:
+  ``nn.logical_to_mesh_sharding(nnx.get_partition_spec(state), mesh, rules)``.
+- ``train_state``: ``jax.eval_shape`` of ``TrainState.create`` with ``optax.adamw`` on the
+  ``linen`` parameters (about a third of the leaves): the Adam moments are boxes optax copied
+  from the parameters, which the library makes follow their parameter. Flax:
+  ``nn.logical_to_mesh_sharding(nn.get_partition_spec(state), mesh, rules)``.
+- ``params_axes``: t5x's ``param_with_axes`` layout, plain arrays under ``params`` and their
+  names in ``params_axes`` (``AxisMetadata`` at ``<name>_axes``). Flax:
+  ``nn.logical_to_mesh_sharding(partitioning.get_axis_names(tree["params_axes"]), mesh, rules)``.
+- ``own_rules``: ``linen`` boxes that carry the rules themselves
+  (``nn.with_logical_partitioning(..., rules=rules)``). Flax has no tree function that reads a
+  box's own rules (``nn.get_partition_spec`` drops them; the box applies them only as a
+  constraint when unboxed), so its side resolves each box with them as the box would:
+  ``NamedSharding(mesh, nn.logical_to_mesh_axes(box.names, box.rules))`` over the tree.
+- ``corrections``: the ``linen`` tree with an odd number of heads in every layer, which neither
+  ``tp=2`` nor the fallback ``fsdp*sp=4`` divides: the library corrects the query and output
+  kernels (a fifth of the leaves) and warns, once per call, listing every one (the warning is
+  built, then ignored, inside the timed call); Flax hands back specs that do not divide.
+
+Every dimension of the other trees is divisible by the mesh axes its rules name and nothing is
+large enough to leave an axis idle, so the library must agree with Flax there: the script
+checks every leaf (``NamedSharding.is_equivalent_to`` on the leaf's rank) and prints how many
+agree (for ``corrections``, the leaves not corrected).
 
 Conditions: the garbage collector stays on (``gc.collect()`` runs, untimed, before each timed
-call so that no call pays for garbage another left); the three calls run in interleaved rounds
-(boxes, specs, Flax, then Flax, specs, boxes, ...) and each reports the median of its rounds.
-*Cold*: every cache of the library (each ``functools`` cache in any loaded ``flax_escale``
-module, listed when the script starts; on the resolution path they are ``_rules._translated``,
-``_rules._frozen`` and ``_logical.resolver``, which holds each resolver's memos) is cleared,
-untimed, before each of its calls. *Warm*: the library's caches hold what the previous
-identical call left there. Flax keeps no cache of its own, so its column is the same call in
-both conditions, timed again in each; JAX's own caches (interned specs, shardings) are warm for
-both sides throughout. Timings on a shared host are noisy; the ratio ``flax / flax_escale``
-(above 1: the library is faster) is the number to read.
+call so that no call pays for garbage another left); the two calls run in interleaved rounds
+(library, Flax, then Flax, library, ...) and each reports the median of its rounds. *Cold*:
+every cache of the library (each ``functools`` cache in any loaded ``flax_escale`` module,
+listed when the script starts) is cleared, untimed, before each of its calls. *Warm*: the
+library's caches hold what the previous identical call left there. Flax keeps no cache of its
+own, so its column is the same call in both conditions, timed again in each; JAX's own caches
+(interned specs, shardings) are warm for both sides throughout. Timings on a shared host are
+noisy; the ratio ``flax / flax_escale`` (above 1: the library is faster) is the number to read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +84,11 @@ DEVICES = backend_choice.select_devices("cpu")
 
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.linen import partitioning  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import flax_escale as fe  # noqa: E402
 
@@ -69,50 +96,111 @@ SIZES = (1_000, 10_000, 100_000)
 LEAVES_PER_LAYER = 10
 VOCAB = 32_000
 
+# A model as {name: subtree or (shape, logical names)}, whatever form its leaves take.
+Spec = dict[str, Any]
 
-def box(shape: tuple[int, ...], names: tuple[str, ...]) -> nn.LogicallyPartitioned:
-    return nn.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names)
 
-
-def layer(i: int) -> dict[str, Any]:
+def layer(i: int, odd_heads: bool = False) -> Spec:
     # Widths grow with the layer index, so no two layers share a shape; every size is a
-    # multiple of 8, which the mesh axes any rule names (tp=2, fsdp*sp=4) divide.
+    # multiple of 8, which the mesh axes any rule names (tp=2, fsdp*sp=4) divide, but for
+    # odd_heads.
     hidden = 512 + 8 * i
     heads, kv_heads, head_dim = 8 + 2 * (i % 5), 2 + 2 * (i % 3), 64 * (1 + i % 2)
+    heads += odd_heads
     mlp = 4 * hidden + 16 * (i % 7)
     attention = ("hidden_state", "head", "attention_dim")
     kv = ("hidden_state", "kv_head", "attention_dim")
     return {
         "attention": {
-            "query": {"kernel": box((hidden, heads, head_dim), attention)},
-            "key": {"kernel": box((hidden, kv_heads, head_dim), kv)},
-            "value": {"kernel": box((hidden, kv_heads, head_dim), kv)},
+            "query": {"kernel": ((hidden, heads, head_dim), attention)},
+            "key": {"kernel": ((hidden, kv_heads, head_dim), kv)},
+            "value": {"kernel": ((hidden, kv_heads, head_dim), kv)},
             "out": {
-                "kernel": box((heads, head_dim, hidden), ("head", "attention_dim", "hidden_state"))
+                "kernel": ((heads, head_dim, hidden), ("head", "attention_dim", "hidden_state"))
             },
         },
         "mlp": {
-            "wi_0": {"kernel": box((hidden, mlp), ("hidden_state", "mlp_intermediate"))},
-            "wi_1": {"kernel": box((hidden, mlp), ("hidden_state", "mlp_intermediate"))},
+            "wi_0": {"kernel": ((hidden, mlp), ("hidden_state", "mlp_intermediate"))},
+            "wi_1": {"kernel": ((hidden, mlp), ("hidden_state", "mlp_intermediate"))},
             "wo": {
-                "kernel": box((mlp, hidden), ("mlp_intermediate", "hidden_state")),
-                "bias": box((hidden,), ("hidden_state",)),
+                "kernel": ((mlp, hidden), ("mlp_intermediate", "hidden_state")),
+                "bias": ((hidden,), ("hidden_state",)),
             },
         },
-        "pre_attention_norm": {"scale": box((hidden,), ("hidden_state",))},
-        "pre_mlp_norm": {"scale": box((hidden,), ("hidden_state",))},
+        "pre_attention_norm": {"scale": ((hidden,), ("hidden_state",))},
+        "pre_mlp_norm": {"scale": ((hidden,), ("hidden_state",))},
     }
 
 
-def model_tree(leaves: int) -> dict[str, Any]:
-    """The abstract variables of a transformer with about ``leaves`` parameters."""
+def model_spec(leaves: int, odd_heads: bool = False) -> Spec:
+    """The parameters of a transformer with about ``leaves`` of them."""
     layers = max(1, (leaves - 3) // LEAVES_PER_LAYER)
     last = 512 + 8 * (layers - 1)
-    params: dict[str, Any] = {"embed": {"embedding": box((VOCAB, 512), ("vocab", "hidden_state"))}}
-    params.update({f"layers_{i}": layer(i) for i in range(layers)})
-    params["final_norm"] = {"scale": box((last,), ("hidden_state",))}
-    params["lm_head"] = {"kernel": box((last, VOCAB), ("hidden_state", "vocab"))}
-    return {"params": params}
+    params: Spec = {"embed": {"embedding": ((VOCAB, 512), ("vocab", "hidden_state"))}}
+    params.update({f"layers_{i}": layer(i, odd_heads) for i in range(layers)})
+    params["final_norm"] = {"scale": ((last,), ("hidden_state",))}
+    params["lm_head"] = {"kernel": ((last, VOCAB), ("hidden_state", "vocab"))}
+    return params
+
+
+def mapped(spec: Spec, leaf: Callable[[tuple[int, ...], tuple[str, ...]], Any]) -> Any:
+    return {
+        key: mapped(value, leaf) if isinstance(value, dict) else leaf(*value)
+        for key, value in spec.items()
+    }
+
+
+def abstract(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def linen_tree(leaves: int, odd_heads: bool = False, **box: Any) -> Any:
+    """What ``jax.eval_shape`` of a Linen ``init`` gives: ``{"params": boxes}``."""
+    spec = model_spec(leaves, odd_heads)
+    return {
+        "params": mapped(
+            spec, lambda shape, names: nn.LogicallyPartitioned(abstract(shape), names, **box)
+        )
+    }
+
+
+class Node(nnx.Module):
+    """An NNX module holding a model spec's parameters, with ``out_sharding`` metadata."""
+
+    def __init__(self, spec: Spec) -> None:
+        for key, value in spec.items():
+            if isinstance(value, dict):
+                setattr(self, key, Node(value))
+            else:
+                shape, names = value
+                setattr(self, key, nnx.Param(jnp.zeros(shape), out_sharding=names))
+
+
+def nnx_state(leaves: int) -> Any:
+    spec = model_spec(leaves)
+    with nnx.use_eager_sharding(False):  # no mesh: the metadata is read, not applied
+        return nnx.state(nnx.eval_shape(lambda: Node(spec)))
+
+
+def train_state(leaves: int) -> Any:
+    # Parameters, Adam's two moments: a third of the leaves each.
+    params = linen_tree(leaves // 3)["params"]
+    tx = optax.adamw(1e-3)
+    return jax.eval_shape(lambda p: TrainState.create(apply_fn=None, params=p, tx=tx), params)
+
+
+def params_axes_tree(leaves: int) -> Any:
+    spec = model_spec(leaves)
+
+    def axes(tree: Spec) -> Any:
+        return {
+            (key if isinstance(value, dict) else f"{key}_axes"): (
+                axes(value) if isinstance(value, dict) else partitioning.AxisMetadata(value[1])
+            )
+            for key, value in tree.items()
+        }
+
+    return {"params": mapped(spec, lambda shape, _: abstract(shape)), "params_axes": axes(spec)}
 
 
 def library(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
@@ -123,11 +211,63 @@ def library_specs(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
     return fe.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)
 
 
-def flax_builtin(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
+def flax_linen(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
     return nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)
 
 
-OURS = {"boxes": library, "specs": library_specs}
+def flax_nnx(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
+    return nn.logical_to_mesh_sharding(nnx.get_partition_spec(tree), mesh, rules)
+
+
+def flax_params_axes(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
+    specs = partitioning.get_axis_names(tree["params_axes"])
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def flax_own_rules(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> Any:
+    del rules  # each box carries its own
+    return jax.tree.map(
+        lambda box: NamedSharding(mesh, nn.logical_to_mesh_axes(box.names, box.rules)),
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A kind of tree: how to build one of about ``leaves`` leaves, and each side's call."""
+
+    name: str
+    build: Callable[[int, tuple], Any]
+    ours: Callable[[Any, jax.sharding.Mesh, tuple], Any]
+    flax: Callable[[Any, jax.sharding.Mesh, tuple], Any]
+
+
+KINDS = (
+    Kind("linen", lambda n, rules: linen_tree(n), library, flax_linen),
+    Kind("specs", lambda n, rules: linen_tree(n), library_specs, flax_linen),
+    Kind("nnx", lambda n, rules: nnx_state(n), library, flax_nnx),
+    Kind("train_state", lambda n, rules: train_state(n), library, flax_linen),
+    Kind("params_axes", lambda n, rules: params_axes_tree(n), library, flax_params_axes),
+    Kind("own_rules", lambda n, rules: linen_tree(n, rules=rules), library, flax_own_rules),
+    Kind("corrections", lambda n, rules: linen_tree(n, odd_heads=True), library, flax_linen),
+)
+
+
+def is_box(x: Any) -> bool:
+    return isinstance(x, (nn.Partitioned, nnx.Variable))
+
+
+def arrays(tree: Any) -> list[Any]:
+    """The tree's arrays, unboxed, in flattening order (``params_axes`` holds none)."""
+    return [getattr(x, "value", x) for x in jax.tree.leaves(tree, is_leaf=is_box)]
+
+
+def quietly(fn: Callable[[], Any]) -> Any:
+    # The library's warning for what it corrected is built (and timed), then ignored.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fe.ShardingCorrectionWarning)
+        return fn()
 
 
 def library_caches() -> dict[str, Callable[[], None]]:
@@ -146,50 +286,53 @@ def library_caches() -> dict[str, Callable[[], None]]:
 def timed(fn: Callable[[], Any]) -> float:
     gc.collect()  # untimed: no call pays for garbage another left
     start = time.perf_counter()
-    result = fn()
+    result = quietly(fn)
     seconds = time.perf_counter() - start
     del result
     return seconds
 
 
 def measure(
-    tree: Any, mesh: jax.sharding.Mesh, rules: tuple, rounds: int, caches: dict, cold: bool
+    kind: Kind,
+    tree: Any,
+    mesh: jax.sharding.Mesh,
+    rules: tuple,
+    rounds: int,
+    caches: dict,
+    cold: bool,
 ) -> dict[str, float]:
-    """Median seconds of each function over interleaved rounds (A S B, B S A, ...)."""
+    """Median seconds of each side over interleaved rounds (A B, B A, ...)."""
 
-    def ours(fn: Callable) -> Callable[[], float]:
-        def run() -> float:
-            if cold:
-                for clear in caches.values():
-                    clear()
-            return timed(lambda: fn(tree, mesh, rules))
+    def ours() -> float:
+        if cold:
+            for clear in caches.values():
+                clear()
+        return timed(lambda: kind.ours(tree, mesh, rules))
 
-        return run
-
-    runs = {name: ours(fn) for name, fn in OURS.items()}
-    runs["flax"] = lambda: timed(lambda: flax_builtin(tree, mesh, rules))
+    runs = {"ours": ours, "flax": lambda: timed(lambda: kind.flax(tree, mesh, rules))}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in (*OURS.values(), flax_builtin):  # warm: the caches hold what this call leaves
-        fn(tree, mesh, rules)
-    order = ["boxes", "specs", "flax"]
+    for fn in (kind.ours, kind.flax):  # warm: the caches hold what this call leaves
+        quietly(lambda fn=fn: fn(tree, mesh, rules))
+    order = ["ours", "flax"]
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             times[name].append(runs[name]())
     return {name: statistics.median(found) for name, found in times.items()}
 
 
-def equivalent(tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> dict[str, int]:
-    """Per input, how many leaves get a sharding equivalent to Flax's."""
-    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
-    ranks = [len(box.value.shape) for box in jax.tree.leaves(tree, is_leaf=is_box)]
-    theirs = jax.tree.leaves(flax_builtin(tree, mesh, rules))
-    same = {}
-    for name, fn in OURS.items():
-        ours = jax.tree.leaves(fn(tree, mesh, rules))
-        same[name] = sum(
-            a.is_equivalent_to(b, rank) for a, b, rank in zip(ours, theirs, ranks, strict=True)
-        )
-    return same
+def agreement(kind: Kind, tree: Any, mesh: jax.sharding.Mesh, rules: tuple) -> tuple[int, int]:
+    """How many of the tree's arrays get a sharding equivalent to Flax's, and of how many."""
+    ranks = [len(x.shape) for x in arrays(tree)]
+    ours = jax.tree.leaves(quietly(lambda: kind.ours(tree, mesh, rules)))
+    theirs = jax.tree.leaves(kind.flax(tree, mesh, rules))
+    same = sum(a.is_equivalent_to(b, n) for a, b, n in zip(ours, theirs, ranks, strict=True))
+    return same, len(ranks)
+
+
+def distinct(tree: Any) -> int:
+    """Distinct (annotation, shape) pairs among the tree's arrays."""
+    _, items = quietly(lambda: fe.plan.annotated_leaves(tree))
+    return len({(None if a is None else a.axes, tuple(v.shape)) for _, v, a in items})
 
 
 def main() -> None:
@@ -197,34 +340,29 @@ def main() -> None:
     print(backend_choice.describe(DEVICES))
     mesh = fe.create_mesh((1, 4, 1, 2, 1), devices=DEVICES)
     rules = fe.PartitionAxis().logical_axis_rules()
-    library(model_tree(20), mesh, rules)  # import-time and first-call costs out of the way
+    for kind in KINDS:  # import-time and first-call costs out of the way
+        quietly(lambda kind=kind: kind.ours(kind.build(40, rules), mesh, rules))
     caches = library_caches()
     print(f"mesh {dict(mesh.shape)}; gc enabled: {gc.isenabled()}; {rounds} rounds per condition")
     print("caches cleared before each cold call of the library:")
     for name in caches:
         print(f"  {name}")
     print(
-        "input boxes: fe.logical_to_mesh_sharding(tree, mesh, rules), shape-aware;\n"
-        "input specs: fe.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules);\n"
-        "flax:        nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)."
-    )
-    print(
-        f"{'leaves':>7} {'distinct':>8} {'input':>5} {'equivalent':>11} {'cache':>5} "
+        f"{'kind':>11} {'leaves':>7} {'distinct':>8} {'agree':>13} {'cache':>5} "
         f"{'flax_escale s':>13} {'flax s':>8} {'flax / flax_escale':>18}"
     )
-    for size in SIZES:
-        tree = model_tree(size)
-        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-        distinct = len({(tuple(b.names), b.value.shape) for b in leaves})
-        same = equivalent(tree, mesh, rules)
-        for cold in (True, False):
-            times = measure(tree, mesh, rules, rounds, caches, cold)
-            for name in OURS:
+    for kind in KINDS:
+        for size in SIZES:
+            tree = kind.build(size, rules)
+            same, leaves = agreement(kind, tree, mesh, rules)
+            pairs = distinct(tree)
+            for cold in (True, False):
+                times = measure(kind, tree, mesh, rules, rounds, caches, cold)
                 print(
-                    f"{len(leaves):>7} {distinct:>8} {name:>5} "
-                    f"{f'{same[name]}/{len(leaves)}':>11} {'cold' if cold else 'warm':>5} "
-                    f"{times[name]:>13.4f} {times['flax']:>8.4f} "
-                    f"{times['flax'] / times[name]:>17.2f}x",
+                    f"{kind.name:>11} {leaves:>7} {pairs:>8} "
+                    f"{f'{same}/{leaves}':>13} {'cold' if cold else 'warm':>5} "
+                    f"{times['ours']:>13.4f} {times['flax']:>8.4f} "
+                    f"{times['flax'] / times['ours']:>17.2f}x",
                     flush=True,
                 )
 

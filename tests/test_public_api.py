@@ -344,7 +344,7 @@ MOVED = [
         if name != "USE_IDLE_AXES"
     ),
     *(
-        f"flax_escale._frontend.{name} -> flax_escale._frontend.{name}"
+        f"flax_escale.frontend.{name} -> flax_escale._frontend.{name}"
         for name in (
             "AxesPatterns",
             "DeclaringMixin",

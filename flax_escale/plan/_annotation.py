@@ -14,6 +14,7 @@ every entry point.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,13 +22,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
+from flax.core import meta
 from flax.linen import partitioning
 from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules
 from flax_escale.plan._follow import follow_params
-from flax_escale.plan._paths import flatten_with_paths, path_of
+from flax_escale.plan._paths import is_box, leaves_with_paths, unbox
 from flax_escale.resolve import as_logical_rules
 
 __all__ = ["LOGICAL_AXES", "Annotation", "annotated_leaves", "arrays_only", "read_annotation"]
@@ -87,9 +89,16 @@ class Annotation:
     def following(self, path: str, kept: tuple[int, ...]) -> Annotation:
         """The annotation of state that tracks this parameter (at ``path``), keeping ``kept``."""
         axes = tuple(self.axes[d] for d in kept)
-        field = "logical_axes" if self.logical_axes is not None else "mesh_axes"
-        source = f"{self.source} (follows {path})"
-        return dataclasses.replace(self, **{field: axes}, source=source, follows=(path, kept))
+        logical = self.logical_axes is not None
+        return Annotation(
+            axes if logical else None,
+            self.mesh_axes if logical else axes,
+            f"{self.source} (follows {path})",
+            self.rules,
+            self.local_rules,
+            self.names_may_be_mesh_axes,
+            (path, kept),
+        )
 
 
 def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | None:
@@ -116,14 +125,15 @@ def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | Non
     """
     if source is not None:
         check.string(source, "read_annotation: source", "'sharded_module'")
-    if isinstance(leaf, nn.LogicallyPartitioned):
+    kind = _kind(leaf)
+    if kind == _LOGICAL:
         rules = None if leaf.rules is None else as_logical_rules(leaf.rules)
         return Annotation(
             tuple(leaf.names), source=source or "nn.with_logical_partitioning", rules=rules
         )
-    if isinstance(leaf, nn.Partitioned):
+    if kind == _MESH:
         return Annotation(mesh_axes=tuple(leaf.names), source=source or "nn.with_partitioning")
-    if isinstance(leaf, nnx.Variable):
+    if kind == _VARIABLE:
         return _variable_annotation(leaf.get_metadata(), source)
     return None
 
@@ -161,6 +171,9 @@ def annotated_leaves(
     it shares with the parameter (Adafactor's factored statistics lose one), and none when it
     is no copy of the parameter's shape (a placeholder).
 
+    Each distinct annotation is read (and its names checked) once: leaves annotated alike share
+    one :class:`Annotation`.
+
     Args:
         tree: The tree to read.
         sources: Who annotated which path (a ``sharded_module`` pattern), for reports.
@@ -184,22 +197,22 @@ def annotated_leaves(
         >>> [(path, a.logical_axes, a.source) for path, _, a in items]
         [('params/w', ('embed', 'mlp'), 'param_with_axes')]
     """
-    state = check.tree_of_arrays(_as_state(tree), "annotated_leaves: tree")
-    flat, treedef = flatten_with_paths(state)
-    params_axes = _params_axes(state)
-    sources = sources or {}
-    found = []
-    for path, value, leaf in flat:
-        annotation = read_annotation(leaf, source=sources.get(path))
-        if annotation is None and path in params_axes:
-            annotation = Annotation(params_axes[path], source="param_with_axes")
-        if annotation is None and own_sharding:
-            sharding = getattr(value, "sharding", None)
-            if isinstance(sharding, NamedSharding):
-                spec = (*sharding.spec, *(None,) * (np.ndim(value) - len(sharding.spec)))
-                annotation = Annotation(mesh_axes=spec, source="array sharding")
-        found.append((path, value, annotation))
-    return treedef, _follow_params(found)
+    leaves = _Leaves(tree)
+    if not leaves.leaves or not leaves.has_arrays():
+        check.tree_of_arrays(tree, "annotated_leaves: tree")
+    return leaves.treedef, leaves.read(sources or {}, own_sharding)
+
+
+def read_arrays(tree: Any) -> tuple[Any, list[tuple[str, Any, Annotation | None]]] | None:
+    """:func:`annotated_leaves` of ``tree``, or ``None`` if it has leaves but none is an array.
+
+    For callers that take either annotated variables or a tree of logical specs (whose leaves
+    are ``PartitionSpec`` s and names), and read the specs another way.
+    """
+    leaves = _Leaves(tree)
+    if leaves.leaves and not leaves.has_arrays():
+        return None
+    return leaves.treedef, leaves.read({}, False)
 
 
 def arrays_only(
@@ -217,31 +230,160 @@ def arrays_only(
     return jax.tree.structure(kept), arrays
 
 
+# How a node of a tree is read, by its type (see _kind).
+_PLAIN, _LOGICAL, _MESH, _OTHER_BOX, _VARIABLE, _GRAPH, _AXES = range(7)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind_of_type(kind: type) -> int | None:
+    # Kept per type: isinstance against Flax's classes goes through ABC and NNX metaclass hooks.
+    if issubclass(kind, jax.core.Tracer):
+        return None  # NNX counts some tracers as variables: it depends on the instance
+    if issubclass(kind, nn.LogicallyPartitioned):
+        return _LOGICAL
+    if issubclass(kind, nn.Partitioned):
+        return _MESH
+    if issubclass(kind, meta.AxisMetadata):
+        return _OTHER_BOX
+    if issubclass(kind, nnx.Variable):
+        return _VARIABLE
+    if issubclass(kind, (nnx.Module, nnx.Optimizer)):
+        return _GRAPH
+    return _AXES if issubclass(kind, partitioning.AxisMetadata) else _PLAIN
+
+
+def _kind(x: Any) -> int:
+    found = _kind_of_type(type(x))
+    if found is None:
+        return _VARIABLE if isinstance(x, nnx.Variable) else _PLAIN
+    return found
+
+
+class _Leaves:
+    """A tree flattened once, boxes (and NNX modules, as their state) as leaves.
+
+    t5x's ``AxisMetadata`` (which holds no leaf) is read, with its path, from the same walk.
+    """
+
+    def __init__(self, tree: Any) -> None:
+        seen: set[int] = set()
+
+        def is_leaf(x: Any) -> bool:
+            kind = _kind_of_type(type(x))
+            if kind is None:
+                kind = _kind(x)
+            elif kind >= _GRAPH:
+                seen.add(kind)
+            return kind != _PLAIN
+
+        paths, leaves, treedef = leaves_with_paths(tree, is_leaf)
+        if _GRAPH in seen:
+            tree = _as_state(tree)
+            paths, leaves, treedef = leaves_with_paths(tree, is_leaf)
+        self.params_axes: dict[str, Annotation] = {}
+        if _AXES in seen:
+            kept = [i for i, leaf in enumerate(leaves) if _kind(leaf) != _AXES]
+            self.params_axes = _params_axes(paths, leaves)
+            paths = [paths[i] for i in kept]
+            leaves = [leaves[i] for i in kept]
+            treedef = jax.tree_util.tree_structure(tree, is_leaf=is_box)
+        self.paths = paths
+        self.leaves = leaves
+        self.treedef = treedef
+
+    def has_arrays(self) -> bool:
+        """Whether a leaf (unboxed) is an array."""
+        return any(hasattr(unbox(leaf), "shape") for leaf in self.leaves)
+
+    def read(
+        self, sources: Mapping[str, str], own_sharding: bool
+    ) -> list[tuple[str, Any, Annotation | None]]:
+        """``[(path, value, annotation)]``, optimizer state following its parameter."""
+        read = _Reader(sources)
+        params_axes = self.params_axes
+        found = []
+        append = found.append
+        for path, leaf in zip(self.paths, self.leaves, strict=True):
+            value, annotation = read(path, leaf)
+            if annotation is None and params_axes:
+                annotation = params_axes.get(path)
+            if annotation is None and own_sharding:
+                sharding = getattr(value, "sharding", None)
+                if isinstance(sharding, NamedSharding):
+                    spec = (*sharding.spec, *(None,) * (np.ndim(value) - len(sharding.spec)))
+                    annotation = Annotation(mesh_axes=spec, source="array sharding")
+            append((path, value, annotation))
+        return _follow_params(found)
+
+
+class _Reader:
+    """Reads leaves' annotations as :func:`read_annotation` does, once per distinct one."""
+
+    def __init__(self, sources: Mapping[str, str]) -> None:
+        self._sources = sources
+        # What an annotation depends on -> the annotation; ids stand for the rules objects
+        # of leaves that stay alive while the tree is read.
+        self._made: dict[tuple[Any, ...], Annotation | None] = {}
+
+    def __call__(self, path: str, leaf: Any) -> tuple[Any, Annotation | None]:
+        kind = _kind_of_type(type(leaf))
+        if kind == _PLAIN:
+            return leaf, None
+        if kind is None:
+            kind = _kind(leaf)
+        source = self._sources.get(path) if self._sources else None
+        if kind == _VARIABLE:
+            metadata = leaf.get_metadata()
+            key = (
+                kind,
+                metadata.get(LOGICAL_AXES),
+                metadata.get("out_sharding"),
+                metadata.get("sharding_names"),
+                id(metadata.get("sharding_rules")),
+                source,
+            )
+            value = leaf.get_value()
+        elif kind == _OTHER_BOX:
+            return unbox(leaf), None
+        else:
+            key = (kind, leaf.names, id(leaf.rules) if kind == _LOGICAL else None, source)
+            value = leaf.value  # (unboxed without the constraint Flax's unbox adds)
+        try:
+            found = self._made.get(key, _UNREAD)
+        except TypeError:  # unhashable names (a list): read them as they are
+            return value, read_annotation(leaf, source=source)
+        if found is _UNREAD:
+            found = self._made[key] = read_annotation(leaf, source=source)
+        return value, found
+
+
+_UNREAD = object()
+
+
 def _as_state(tree: Any) -> Any:
     def graph(x: Any) -> bool:
-        # Plain containers first: checking against NNX's classes goes through a metaclass hook.
-        return type(x) not in (dict, list, tuple) and isinstance(x, (nnx.Module, nnx.Optimizer))
+        return _kind(x) == _GRAPH
 
     return jax.tree.map(lambda x: nnx.state(x) if graph(x) else x, tree, is_leaf=graph)
 
 
-def _params_axes(tree: Any) -> dict[str, tuple[Any, ...]]:
+def _params_axes(paths: list[str], leaves: list[Any]) -> dict[str, Annotation]:
     # param_with_axes keeps 'w's names at params_axes/.../w_axes, beside params/.../w.
-    def is_axes(x: Any) -> bool:
-        return isinstance(x, partitioning.AxisMetadata)
-
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_axes)[0]
     found = {}
-    for key_path, leaf in flat:
-        if not is_axes(leaf):  # (before the path: most leaves are arrays)
+    made: dict[tuple[Any, ...], Annotation] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        if _kind(leaf) != _AXES:
             continue
-        keys = path_of(key_path).split("/")
+        keys = path.split("/")
         if _PARAMS_AXES not in keys or not keys[-1].endswith(_AXES_SUFFIX):
             continue
         at = len(keys) - 1 - keys[::-1].index(_PARAMS_AXES)
         keys[at] = "params"
         keys[-1] = keys[-1][: -len(_AXES_SUFFIX)]
-        found["/".join(keys)] = tuple(leaf.names)
+        names = tuple(leaf.names)
+        if names not in made:
+            made[names] = Annotation(names, source="param_with_axes")
+        found["/".join(keys)] = made[names]
     return found
 
 
@@ -254,13 +396,14 @@ def _follow_params(
     # the parameter they track, by the one rule for optimizer state.
     # Unannotated state leaves follow too: beside t5x's `param_with_axes` (names in a separate
     # collection) optax's state carries no names at all.
-    at = [i for i, (path, _, _) in enumerate(found) if _OPT_STATE in path.split("/")]
+    state = [_in_opt_state(path) for path, _, _ in found]
+    at = [i for i, in_state in enumerate(state) if in_state]
     if not at:
         return found
     params = [
-        (path, tuple(np.shape(value)), a)
-        for path, value, a in found
-        if a is not None and _OPT_STATE not in path.split("/")
+        (path, np.shape(value), a)
+        for (path, value, a), in_state in zip(found, state, strict=True)
+        if a is not None and not in_state
     ]
     # The entries followed are the parameter's dimensions themselves: which ones a leaf keeps.
     followed = follow_params(
@@ -268,6 +411,9 @@ def _follow_params(
         [(path, shape, tuple(range(len(shape)))) for path, shape, _ in params],
     )
     items = list(found)
+    # State leaves that keep the same dimensions of one parameter (Adam's two moments) share
+    # one annotation.
+    made: dict[tuple[int, tuple[int, ...]], Annotation] = {}
     for i, follow in zip(at, followed, strict=True):
         path, value, annotation = found[i]
         if follow is None:
@@ -277,7 +423,15 @@ def _follow_params(
         elif follow.entries is None:
             annotation = None
         else:
-            param_path, _, param_annotation = params[follow.param]
-            annotation = param_annotation.following(param_path, follow.entries)
+            key = (follow.param, follow.entries)
+            annotation = made.get(key)
+            if annotation is None:
+                param_path, _, param_annotation = params[follow.param]
+                annotation = made[key] = param_annotation.following(param_path, follow.entries)
         items[i] = (path, value, annotation)
     return items
+
+
+def _in_opt_state(path: str) -> bool:
+    # (the substring first: splitting every path would cost more than reading it)
+    return _OPT_STATE in path and _OPT_STATE in path.split("/")

@@ -9,29 +9,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
-from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._resolving import (
+    IDLE_AXES_MIN_BYTES,
+    array_dtype,
+    array_shape,
+    resolve_items,
+    sharding_tree,
+)
 from flax_escale.resolve import (
     Completion,
     Resolution,
     RulesLike,
     as_logical_rules,
-    complete_spec,
-    resolve_mesh_axes,
 )
 from flax_escale.resolve._fit import Correction
-from flax_escale.resolve._logical import resolve_checked
 
 __all__ = [
     "IDLE_AXES_MIN_BYTES",
@@ -47,7 +49,7 @@ USE_IDLE_AXES = True
 """The one default of every ``use_idle_axes`` option: parameters reach their ideal share."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PlanEntry:
     """One array of the plan.
 
@@ -115,11 +117,7 @@ class ShardingPlan:
 
     def shardings(self) -> Any:
         """The ``NamedSharding`` of every array, as a tree shaped like the variables."""
-        made: dict[PartitionSpec, NamedSharding] = {}
-        for entry in self.entries:
-            if entry.spec not in made:
-                made[entry.spec] = NamedSharding(self.mesh, entry.spec)
-        return self.treedef.unflatten([made[e.spec] for e in self.entries])
+        return sharding_tree(self.mesh, self.treedef, [e.resolution for e in self.entries])
 
     @property
     def corrections(self) -> tuple[tuple[str, Correction], ...]:
@@ -246,100 +244,11 @@ def plan_checked(
     use_idle_axes: bool,
 ) -> ShardingPlan:
     """:func:`build_plan` for values already checked: a mesh, frozen rules, bools, notes."""
-    resolved: dict[str, Resolution] = {}
-    # Parameters first: optimizer state that follows one takes the spec it resolved to.
-    leading = [item for item in items if _follows(item[2]) is None]
-    following = [item for item in items if _follows(item[2]) is not None]
-    for path, leaf, annotation in leading:
-        resolved[path] = _resolve(
-            path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
-        )
-    if use_idle_axes:
-        _complete(resolved, leading, mesh, frozen)
-    for path, leaf, annotation in following:
-        resolved[path] = _resolve(
-            path, tuple(leaf.shape), annotation, frozen, resolved, mesh, strict
-        )
-    entries = [
-        PlanEntry(path, tuple(leaf.shape), np.dtype(leaf.dtype), annotation, resolved[path])
-        for path, leaf, annotation in items
-    ]
-    if strict and notes:
-        raise EscaleError("\n".join(notes) + "\n(strict=True; pass strict=False to go on.)")
-    problems = [e.resolution.describe(e.path) for e in entries if not e.resolution.ok]
-    if problems or notes:
-        warnings.warn(
-            "\n".join([*problems, *notes]) + "\n(Pass strict=True to make these errors.)",
-            ShardingCorrectionWarning,
-            stacklevel=4,
-        )
-    return ShardingPlan(mesh, tuple(entries), treedef, notes)
-
-
-IDLE_AXES_MIN_BYTES = 1 << 20
-"""Variables smaller than this keep the rules' spec: splitting them saves little and costs
-collectives."""
-STACKED_NAMES = frozenset({"layers", "stack"})
-"""Logical names of a layer stack's dimension (``nn.scan``'s ``PARTITION_NAME``, t5x's
-``stack``), which completion never splits."""
-
-
-def _complete(
-    resolved: dict[str, Resolution],
-    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
-    mesh: Mesh,
-    rules: LogicalRules,
-) -> None:
-    # A parameter axis is one the rules split some variable over, or one the rules of this
-    # variable's own names name (they meant to use it, and a shape kept them from it). An axis
-    # that only the batch's rules name (data parallelism) stays a replica axis.
-    used = {a for r in resolved.values() for entry in r.spec for a in mesh_axes_of(entry)}
-    for path, leaf, _ in items:
-        if math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize < IDLE_AXES_MIN_BYTES:
-            continue
-        resolution = resolved[path]
-        names = resolution.logical_axes or ()
-        meant = {a for name, target in rules if name in names for a in mesh_axes_of(target)}
-        axes = [a for a in mesh.axis_names if a in used or a in meant]
-        keep = [dim for dim, name in enumerate(names) if name in STACKED_NAMES]
-        spec, added = complete_spec(resolution.spec, tuple(leaf.shape), mesh.shape, axes, keep=keep)
-        if added:
-            resolved[path] = dataclasses.replace(resolution, spec=spec, completed=added)
-
-
-def _follows(annotation: Annotation | None) -> tuple[str, tuple[int, ...]] | None:
-    return None if annotation is None else annotation.follows
-
-
-def _resolve(
-    path: str,
-    shape: tuple[int, ...],
-    annotation: Annotation | None,
-    rules: LogicalRules,
-    resolved: dict[str, Resolution],
-    mesh: Mesh,
-    strict: bool,
-) -> Resolution:
-    follows = _follows(annotation)
-    if follows is not None and follows[0] in resolved:
-        param = resolved[follows[0]]
-        spec = (*param.spec, *(None,) * (len(param.shape or ()) - len(param.spec)))
-        kept = tuple(spec[d] for d in follows[1])
-        return resolve_mesh_axes(kept, shape=shape, mesh=mesh, strict=strict, path=path)
-    # The annotation's names were checked when it was made, and the mesh and rules by the
-    # caller: resolve_checked skips checking them again for every array.
-    mesh_shape = tuple(mesh.shape.items())
-    if annotation is None:
-        return resolve_checked(None, rules, shape, mesh_shape)
-    if annotation.mesh_axes is not None:
-        return resolve_mesh_axes(
-            annotation.mesh_axes, shape=shape, mesh=mesh, strict=strict, path=path
-        )
-    return resolve_checked(
-        annotation.logical_axes,
-        annotation.rules_with(rules, tuple(mesh.axis_names)),
-        shape,
-        mesh_shape,
-        strict=strict,
-        path=path,
+    resolutions = resolve_items(
+        items, mesh, frozen, strict=strict, notes=notes, use_idle_axes=use_idle_axes, stacklevel=4
     )
+    entries = tuple(
+        PlanEntry(path, array_shape(leaf), array_dtype(leaf), annotation, resolution)
+        for (path, leaf, annotation), resolution in zip(items, resolutions, strict=True)
+    )
+    return ShardingPlan(mesh, entries, treedef, notes)

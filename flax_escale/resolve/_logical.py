@@ -202,19 +202,22 @@ class Resolver:
     The rules are read once, into each logical name's rules in priority order with their mesh
     axes' total size on the mesh. Per distinct logical axes, the rules that can apply are merged
     once (Flax's priority order, restricted to the names present); per distinct ``(logical axes,
-    shape)``, the :class:`Resolution` is kept (up to :attr:`MEMO_SIZE` of them). Callers that
-    resolve many arrays fetch the resolver once (:func:`resolver`) and call :meth:`resolve` or
-    :meth:`spec_if_ok` per array, with names they have checked.
+    shape)``, the :class:`Resolution` is kept (up to :attr:`MEMO_SIZE` of them). What the rules
+    give depends on the shape only through its rank and which of the dimensions the candidate
+    rules' mesh axes divide: a shape that divides like one resolved before without anything
+    passed over or corrected resolves like it, and only its shape is new. Callers that resolve
+    many arrays fetch the resolver once (:func:`resolver`) and call :meth:`resolve` per array,
+    with names they have checked.
     """
 
     MEMO_SIZE = 1 << 16
     __slots__ = (
         "_by_name",
         "_known",
+        "_like",
         "_memo",
         "_mesh",
         "_mesh_shape",
-        "_outcomes",
         "_plans",
         "_rules",
         "_specs",
@@ -227,7 +230,7 @@ class Resolver:
         self._known = frozenset(name for name, _ in rules)
         self._memo: dict[tuple[Any, Any], Resolution | str] = {}
         self._plans: dict[tuple[Any, ...], _Plan | str] = {}
-        self._outcomes: dict[tuple[Any, ...], PartitionSpec | None] = {}
+        self._like: dict[tuple[Any, ...], Resolution] = {}
         self._specs: dict[tuple[Any, ...], PartitionSpec] = {}
         # Per logical name, its rules in order: (index, target, mesh axes, their total size on
         # the mesh or None (no mesh, or an axis it lacks: left to fit_spec), whether fit_spec
@@ -253,40 +256,38 @@ class Resolver:
         key = (names, shape)
         found = self._memo.get(key)
         if found is None:
-            found = self._resolve(names, shape)
+            found = self._resolve_like(names, shape)
             if len(self._memo) >= self.MEMO_SIZE:
                 self._memo.clear()
             self._memo[key] = found
         return found
 
-    def spec_if_ok(
-        self, names: tuple[Any, ...] | None, shape: tuple[int, ...]
-    ) -> PartitionSpec | None:
-        """``resolve(names, shape).spec`` if that resolution is ``ok``, else ``None``.
-
-        What the rules give depends on the shape only through its rank and which of the
-        dimensions the candidate rules' mesh axes divide; the answer is kept per that, so arrays
-        of distinct shapes that divide alike cost no resolution each.
-        """
-        if names is None:
-            return self._spec((None,) * len(shape))
-        plan = self._plan(names)
-        if isinstance(plan, str) or plan.unknown or len(shape) < len(names):
-            return None  # an error, or a name without a rule: never ok
-        if plan.through:  # entries fit_spec must check against the sizes themselves
-            return self._spec_if_ok(names, shape)
+    def _resolve_like(
+        self, names: tuple[Any, ...] | None, shape: tuple[int, ...] | None
+    ) -> Resolution | str:
+        # A resolution made for a shape that divides alike, with nothing passed over or
+        # corrected (so no size in it), holds for this shape too.
+        plan = None if names is None or shape is None else self._plan(names)
+        if not isinstance(plan, _Plan) or plan.through or len(shape) < len(names):
+            return self._resolve(names, shape)
         key = (names, len(shape), *[shape[dim] % size == 0 for dim, size in plan.checks])
-        found = self._outcomes.get(key, _FREE)
-        if found is _FREE:
-            found = self._spec_if_ok(names, shape)
-            if len(self._outcomes) >= self.MEMO_SIZE:
-                self._outcomes.clear()
-            self._outcomes[key] = found
-        return found
-
-    def _spec_if_ok(self, names: tuple[Any, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
-        resolution = self.resolve(names, shape)
-        return resolution.spec if isinstance(resolution, Resolution) and resolution.ok else None
+        like = self._like.get(key)
+        if like is None:
+            found = self._resolve(names, shape)
+            if isinstance(found, Resolution) and not found.corrections and not found.passed_over:
+                if len(self._like) >= self.MEMO_SIZE:
+                    self._like.clear()
+                self._like[key] = found
+            return found
+        return Resolution(
+            like.logical_axes,
+            like.spec,
+            shape,
+            like.mesh_shape,
+            like.rules_spec,
+            unknown_names=like.unknown_names,
+            padded=like.padded,
+        )
 
     def _spec(self, entries: tuple[Any, ...]) -> PartitionSpec:
         spec = self._specs.get(entries)

@@ -1,25 +1,26 @@
 """The fast ways of resolving give exactly what the plain algorithm gives.
 
-- ``Resolver.resolve`` (rules read once per rules and mesh, merged once per logical axes) gives
-  the :class:`Resolution` of the plain algorithm: every rule scanned in order, as Flax does, then
-  ``fit_spec``, for any rules, names, shape and mesh;
-- ``Resolver.spec_if_ok`` (an answer kept per rank and per which dimensions divide) gives that
-  resolution's spec when it is ``ok`` and ``None`` otherwise, whatever shapes came before;
-- ``logical_to_mesh_sharding`` on a plain tree of Linen boxes (each distinct box resolved once)
-  gives what ``build_plan`` gives, warnings and errors included, and falls back to it for any
-  tree where a leaf's spec may depend on another leaf's.
+- ``Resolver.resolve`` (rules read once per rules and mesh, merged once per logical axes, a
+  resolution kept per rank and per which dimensions divide) gives the :class:`Resolution` of
+  the plain algorithm: every rule scanned in order, as Flax does, then ``fit_spec``, for any
+  rules, names, shape and mesh, whatever shapes the same resolver resolved before;
+- ``logical_to_mesh_sharding`` of any tree of annotated variables (each distinct annotation
+  read once, each distinct one resolved once) gives what ``build_plan`` gives, warnings and
+  errors included;
+- the paths of a tree's leaves (walked here, not read from JAX's key paths) are JAX's.
 
 Nothing here times anything: the speed is measured by ``bench/resolution_speed.py``.
 """
 
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from flax.core import FrozenDict
 from flax.linen import partitioning
 from hypothesis import HealthCheck, given, settings
@@ -28,9 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale._specs import mesh_axes_of
+from flax_escale.plan import _paths
 from flax_escale.plan._annotation import annotated_leaves
 from flax_escale.plan._plan import build_plan
-from flax_escale.plan._tree import _plain_shardings
 from flax_escale.resolve import PassedOver, Resolution, fit_spec
 from flax_escale.resolve._logical import _FREE, _unplaced, resolver
 
@@ -130,17 +131,14 @@ def test_resolver_is_the_plain_algorithm(rules, mesh_shape, data):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rules=rules_st, mesh_shape=mesh_st, names=names_st, data=st.data())
-def test_spec_if_ok_is_the_spec_of_an_ok_resolution(rules, mesh_shape, names, data):
-    # One resolver for many shapes of the same names: its answers kept per rank and per which
-    # dimensions divide must hold for every shape that comes after.
+def test_a_resolver_resolves_every_shape_like_the_plain_algorithm(rules, mesh_shape, names, data):
+    # One resolver for many shapes of the same names: a resolution kept for a shape that
+    # divides alike must hold for every shape that comes after.
     rules = fe.resolve.as_logical_rules(rules)
     shapes = data.draw(st.lists(shapes_st(names).filter(lambda s: s is not None), max_size=12))
     for shape in shapes:
-        expected = reference(names, rules, shape, mesh_shape)
-        ok = isinstance(expected, Resolution) and expected.ok
-        assert resolver(rules, mesh_shape).spec_if_ok(names, shape) == (
-            expected.spec if ok else None
-        )
+        got = resolver(rules, mesh_shape).resolve(names, shape)
+        assert got == reference(names, rules, shape, mesh_shape)
 
 
 NAMES = [
@@ -227,12 +225,9 @@ def test_plain_trees_give_what_build_plan_gives(mesh, tree, strict):
     theirs, their_warnings = run(general, tree, mesh, rules, strict=strict)
     assert same_shardings(ours, theirs)
     assert our_warnings == their_warnings
-    # The fast path answers exactly when nothing had to be said.
-    fast = _plain_shardings(tree, mesh, rules)
-    assert (fast is not None) == (not their_warnings and not isinstance(theirs, str))
 
 
-def test_eval_shape_of_a_linen_model_takes_the_fast_path(mesh):
+def test_eval_shape_of_a_linen_model_gives_what_build_plan_gives(mesh):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -245,11 +240,10 @@ def test_eval_shape_of_a_linen_model_takes_the_fast_path(mesh):
             return y * self.param("scale", scale, (16,))
 
     abstract = jax.eval_shape(Block().init, jax.random.key(0), jnp.ones((2, 16)))
-    fast = _plain_shardings(abstract, mesh, None)
-    assert fast is not None
-    assert same_shardings(fast, general(abstract, mesh, None))
-    assert fast["params"]["up"]["kernel"].spec == P(("fsdp", "sp"), "tp")
-    assert fast["params"]["up"]["bias"].spec == P(None)  # unannotated: replicated
+    shardings = fe.logical_to_mesh_sharding(abstract, mesh)
+    assert same_shardings(shardings, general(abstract, mesh, None))
+    assert shardings["params"]["up"]["kernel"].spec == P(("fsdp", "sp"), "tp")
+    assert shardings["params"]["up"]["bias"].spec == P(None)  # unannotated: replicated
 
 
 def box(shape, names, **kwargs):
@@ -271,8 +265,7 @@ def box(shape, names, **kwargs):
     ],
     ids=["opt_state", "own_rules", "frozen_dict", "int_key", "params_axes", "python_int"],
 )
-def test_trees_the_fast_path_leaves_to_build_plan(mesh, tree):
-    assert _plain_shardings(tree, mesh, None) is None
+def test_other_trees_give_what_build_plan_gives(mesh, tree):
     ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh)
     theirs, their_warnings = run(general, tree, mesh, None)
     assert same_shardings(ours, theirs)
@@ -291,3 +284,66 @@ def test_spec_trees_resolve_each_spec_once_and_still_warn(mesh):
         assert shardings[f"layer_{i}"]["b"].spec == P(None)
     with pytest.raises(fe.ShardingResolutionError, match="no_rule"):
         fe.logical_to_mesh_sharding(specs, mesh, strict=True)
+
+
+# The paths of leaves.
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Node:
+    """A node with keys of its own kind, flattened in an order of its own."""
+
+    def __init__(self, **children):
+        self.children = children
+
+    def tree_flatten_with_keys(self):
+        keys = sorted(self.children, reverse=True)
+        return [(jax.tree_util.GetAttrKey(k), self.children[k]) for k in keys], tuple(keys)
+
+    @classmethod
+    def tree_unflatten(cls, keys, children):
+        return cls(**dict(zip(keys, children, strict=True)))
+
+
+def _leaf(i):
+    return jax.ShapeDtypeStruct((i + 1,), jnp.float32)
+
+
+TREES = {
+    "nested": {"b": [_leaf(0), None, (_leaf(1), {})], "a": {"y": _leaf(2), "x": _leaf(3)}},
+    "int_keys": {2: _leaf(0), 10: _leaf(1), 1: {"z": _leaf(2)}},
+    "boxes": {"p": box((4, 8), ("hidden_state", "mlp_intermediate")), "q": _leaf(0)},
+    "namedtuple": Pair(first={"k": _leaf(0)}, second=[_leaf(1), Pair(_leaf(2), None)]),
+    "custom_node": {"n": Node(a=_leaf(0), c={"d": _leaf(1)}, b=[_leaf(2)])},
+    "frozen_dict": FrozenDict({"b": _leaf(0), "a": {"c": _leaf(1)}}),
+    "nnx_state": nnx.State({"layer": {"kernel": nnx.Param(_leaf(0)), "bias": nnx.Param(_leaf(1))}}),
+    "one_leaf": _leaf(0),
+    "empty": {},
+    "python_values": {"step": 3, "name": "x", "rate": 0.5},
+}
+
+
+def _jax_paths(tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_paths.is_box)[0]
+    return [_paths.path_of(key_path) for key_path, _ in flat], [leaf for _, leaf in flat]
+
+
+@pytest.mark.parametrize("tree", TREES.values(), ids=TREES.keys())
+def test_leaf_paths_are_jax_key_paths(tree):
+    paths, leaves, treedef = _paths.leaves_with_paths(tree, _paths.is_box)
+    assert (paths, leaves) == _jax_paths(tree)
+    assert treedef == jax.tree.structure(tree, is_leaf=_paths.is_box)
+
+
+def test_leaf_paths_fall_back_to_jax_key_paths(monkeypatch):
+    # Should a node's children come in another order than JAX flattens them in, the walk is
+    # not trusted: the paths are JAX's.
+    tree = TREES["custom_node"]
+    monkeypatch.setattr(_paths, "_children", lambda x: x.tree_flatten_with_keys()[0][::-1])
+    paths, leaves, _ = _paths.leaves_with_paths(tree, _paths.is_box)
+    assert (paths, leaves) == _jax_paths(tree)

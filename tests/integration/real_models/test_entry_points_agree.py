@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from support import MESHES, example_modules
 from support.real_models import gemma_model, lm1b_model, wmt_model
+from support.real_models.wmt_annotated import AnnotatedTransformer
 
 import flax_escale as fe
 
@@ -35,9 +36,9 @@ def _lm1b(scan):
 
 
 def _wmt():
-    config = wmt_model.small_config()
+    # The example as written carries no annotation: its test's sharded_module subclass does.
     tokens = jnp.zeros((2, 16), jnp.int32)
-    return wmt_model.Transformer(config), jax.random.key(0), tokens, tokens
+    return AnnotatedTransformer(wmt_model.small_config()), jax.random.key(0), tokens, tokens
 
 
 def _nnx_llama():
@@ -46,7 +47,8 @@ def _nnx_llama():
 
 
 def _gemma():
-    config = gemma_model.small_config()
+    # The example's own layout (mesh axes in out_sharding metadata); its default has none.
+    config = gemma_model.small_config(gemma_model.ShardingConfig.fsdp_tp_sharding())
     return functools.partial(gemma_model.Transformer, config), 0
 
 
@@ -70,11 +72,14 @@ MODELS = {
 def _abstract(model, rng, *args):
     if isinstance(model, nn.Module):
         return jax.eval_shape(model.init, rng, *args)
-    return nnx.state(nnx.eval_shape(lambda: model(*args, rngs=nnx.Rngs(rng))))
+    # No mesh to create variables on: out_sharding metadata is read, not applied.
+    with nnx.use_eager_sharding(False):
+        return nnx.state(nnx.eval_shape(lambda: model(*args, rngs=nnx.Rngs(rng))))
 
 
 def _specs(tree):
-    return [s.spec for s in jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "spec"))]
+    # NamedShardings, or the lowered program's outputs (ShapeDtypeStructs carrying one).
+    return [getattr(leaf, "sharding", leaf).spec for leaf in jax.tree.leaves(tree)]
 
 
 @pytest.mark.slow

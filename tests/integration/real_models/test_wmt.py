@@ -31,6 +31,7 @@ from support.real_models.harness import (
     place_batch,
     token_batch,
 )
+from support.real_models.wmt_annotated import AnnotatedTransformer
 
 import flax_escale as fe
 
@@ -44,24 +45,6 @@ TX = optax.sgd(0.5, momentum=0.9)
 # which keeps the compile time of this, the largest of the models, in bounds.
 CONFIG = wmt.small_config(num_layers=1)
 HIDDEN = ("fsdp", "sp")
-
-
-class AnnotatedTransformer(wmt.Transformer):
-    """The example's class, unchanged; the subclass only carries the declaration below."""
-
-
-fe.sharded_module(
-    {
-        "shared_embedding/embedding": ("vocab", "embed"),
-        "(query|key|value)/kernel": ("embed", "heads", "kv"),
-        "out/kernel": ("heads", "kv", "embed"),
-        "Dense_0/kernel": ("embed", "mlp"),
-        "Dense_0/bias": ("mlp",),
-        "Dense_1/kernel": ("mlp", "embed"),
-        "Dense_1/bias": ("embed",),
-        "(scale|bias)": ("embed",),  # every LayerNorm (the Dense biases matched above)
-    }
-)(AnnotatedTransformer)
 
 
 def loss_of(model):
