@@ -114,10 +114,10 @@ EXPECTED = {
         "as_logical_rules",
         "complete_spec",
         "enforce",
+        "fit_mesh_axes",
         "fit_spec",
         "logical_to_mesh_axes",
         "resolve_logical_axes",
-        "resolve_mesh_axes",
     ],
     "flax_escale.plan": [
         "IDLE_AXES_MIN_BYTES",
@@ -338,6 +338,7 @@ MOVED = [
     "flax_escale.sharding.auto_partition_spec -> flax_escale.sharding.spec_from_shape",
     "flax_escale.sharding.match_partition_rules -> flax_escale.sharding.specs_from_regex",
     "flax_escale.mesh.MeshAxisNames -> flax_escale.axes.MeshAxes",
+    "flax_escale.resolve.resolve_mesh_axes -> flax_escale.resolve.fit_mesh_axes",
     *(
         f"flax_escale.sharding.{name} -> flax_escale.plan.{name}"
         for name in EXPECTED["flax_escale.plan"]

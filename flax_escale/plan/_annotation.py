@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
 from flax_escale.axes import LogicalRules
-from flax_escale.plan._follow import follow_params
+from flax_escale.plan._follow import Followed, follow_params
 from flax_escale.plan._paths import is_box, leaves_with_paths, unbox
 from flax_escale.resolve import as_logical_rules
 
@@ -68,9 +68,13 @@ class Annotation:
     follows: tuple[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
-        # A string would read as one logical name per letter.
-        if self.logical_axes is not None:
-            names = check.logical_names(self.logical_axes, "Annotation: logical_axes")
+        # A string would read as one logical name per letter. A tuple of names and Nones (what
+        # every reader makes, tens of thousands of times for a large model) is valid as it is.
+        names = self.logical_axes
+        if names is not None and (
+            type(names) is not tuple or not all(type(n) is str or n is None for n in names)
+        ):
+            names = check.logical_names(names, "Annotation: logical_axes")
             object.__setattr__(self, "logical_axes", names)
 
     @property
@@ -88,17 +92,23 @@ class Annotation:
 
     def following(self, path: str, kept: tuple[int, ...]) -> Annotation:
         """The annotation of state that tracks this parameter (at ``path``), keeping ``kept``."""
-        axes = tuple(self.axes[d] for d in kept)
+        axes = self.axes
+        if len(kept) != len(axes) or kept != tuple(range(len(axes))):
+            axes = tuple(axes[d] for d in kept)
         logical = self.logical_axes is not None
-        return Annotation(
-            axes if logical else None,
-            self.mesh_axes if logical else axes,
-            f"{self.source} (follows {path})",
-            self.rules,
-            self.local_rules,
-            self.names_may_be_mesh_axes,
-            (path, kept),
+        # Made without __init__: the entries were checked when this annotation was, and a
+        # large model's optimizer state makes tens of thousands of these.
+        made = object.__new__(Annotation)
+        made.__dict__.update(
+            logical_axes=axes if logical else None,
+            mesh_axes=self.mesh_axes if logical else axes,
+            source=f"{self.source} (follows {path})",
+            rules=self.rules,
+            local_rules=self.local_rules,
+            names_may_be_mesh_axes=self.names_may_be_mesh_axes,
+            follows=(path, kept),
         )
+        return made
 
 
 def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | None:
@@ -396,40 +406,43 @@ def _follow_params(
     # the parameter they track, by the one rule for optimizer state.
     # Unannotated state leaves follow too: beside t5x's `param_with_axes` (names in a separate
     # collection) optax's state carries no names at all.
-    state = [_in_opt_state(path) for path, _, _ in found]
-    at = [i for i, in_state in enumerate(state) if in_state]
+    at = [i for i, (path, _, _) in enumerate(found) if _in_opt_state(path)]
     if not at:
         return found
-    params = [
-        (path, np.shape(value), a)
-        for (path, value, a), in_state in zip(found, state, strict=True)
-        if a is not None and not in_state
-    ]
+    in_state = set(at)
+    params = [item for i, item in enumerate(found) if item[2] is not None and i not in in_state]
     # The entries followed are the parameter's dimensions themselves: which ones a leaf keeps.
+    shapes = [_shape(value) for _, value, _ in params]
+    dims = {rank: tuple(range(rank)) for rank in {len(shape) for shape in shapes}}
     followed = follow_params(
-        [(found[i][0], np.shape(found[i][1])) for i in at],
-        [(path, shape, tuple(range(len(shape)))) for path, shape, _ in params],
+        ((found[i][0], _shape(found[i][1])) for i in at),
+        [(item[0], shape, dims[len(shape)]) for item, shape in zip(params, shapes, strict=True)],
     )
     items = list(found)
     # State leaves that keep the same dimensions of one parameter (Adam's two moments) share
     # one annotation.
-    made: dict[tuple[int, tuple[int, ...]], Annotation] = {}
+    made: dict[Followed, Annotation] = {}
     for i, follow in zip(at, followed, strict=True):
         path, value, annotation = found[i]
         if follow is None:
             # Tracks no parameter of this tree: its own annotation stands if it fits.
-            if annotation is not None and len(annotation.axes) != np.ndim(value):
-                annotation = None
+            if annotation is None or len(annotation.axes) == np.ndim(value):
+                continue
+            annotation = None
         elif follow.entries is None:
             annotation = None
         else:
-            key = (follow.param, follow.entries)
-            annotation = made.get(key)
+            annotation = made.get(follow)
             if annotation is None:
                 param_path, _, param_annotation = params[follow.param]
-                annotation = made[key] = param_annotation.following(param_path, follow.entries)
+                annotation = made[follow] = param_annotation.following(param_path, follow.entries)
         items[i] = (path, value, annotation)
     return items
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    shape = getattr(value, "shape", None)
+    return shape if type(shape) is tuple else np.shape(value)
 
 
 def _in_opt_state(path: str) -> bool:

@@ -9,7 +9,7 @@ the optimizer-state shardings and the annotation reader both ask it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -78,25 +78,35 @@ def follow_params(
         >>> follow_params(state, params)[3:]  # a placeholder beside its parameter; a count
         [Followed(param=1, entries=None), None]
     """
-    params = list(params)
-    lookup = _ParamLookup([(_keys(path), (tuple(shape), tuple(e))) for path, shape, e in params])
+    params = params if isinstance(params, list) else list(params)
+
+    def agree(i: int, j: int) -> bool:
+        return tuple(params[i][1]) == tuple(params[j][1]) and tuple(params[i][2]) == tuple(
+            params[j][2]
+        )
+
+    lookup = _ParamLookup([path for path, _, _ in params], agree)
     followed: list[Followed[T] | None] = []
+    append = followed.append
+    # Adam's two moments of a parameter inherit the same: one Followed for both.
+    whole: dict[int, Followed[T]] = {}
     for path, shape in state:
-        keys = _keys(path)
-        found = lookup.match(keys)
+        found = lookup.match(path)
         if found is None:
-            followed.append(None)
+            append(None)
             continue
         index, start = found
         _, param_shape, entries = params[index]
-        kept = _kept_dims(tuple(shape), tuple(param_shape), _factored_role(keys[:start]))
-        followed.append(Followed(index, None if kept is None else tuple(entries[d] for d in kept)))
+        shape, param_shape = tuple(shape), tuple(param_shape)
+        if shape == param_shape:  # (most state: Adam's moments, momentum) keeps every entry
+            same = whole.get(index)
+            if same is None:
+                same = whole[index] = Followed(index, tuple(entries))
+            append(same)
+            continue
+        kept = _kept_dims(shape, param_shape, _factored_role(path[:start].split("/")))
+        append(Followed(index, None if kept is None else tuple(entries[d] for d in kept)))
     return followed
-
-
-def _keys(path: str) -> tuple[str, ...]:
-    # The empty path (params that are one bare array) has no components, so every leaf ends it.
-    return tuple(path.split("/")) if path else ()
 
 
 def _factored_role(prefix: Sequence[str]) -> str | None:
@@ -126,43 +136,60 @@ def _kept_dims(
     return tuple(d for d in range(len(param)) if d != dropped)
 
 
-class _ParamLookup(Generic[T]):
+class _ParamLookup:
     """Finds the parameter an optimizer state leaf tracks, from the end of the leaf's path.
 
     Optimizer states repeat the parameter tree under their own keys (``opt_state/0/mu/...``),
-    so a state leaf's path ends with the end of its parameter's path. Every path ending is
-    indexed whose owners all carry the same value (one parameter, or copies that agree, such
-    as a parameter and its Adam moments); the longest ending a leaf's path shares wins. A
-    parameter with the empty path (params that are one array) ends every path.
+    so a state leaf's path ends with the end of its parameter's path. Every path ending (whole
+    ``/``-separated components) is indexed whose owners all agree (one parameter, or copies
+    that ``agree(i, j)`` says are alike, such as a parameter and its Adam moments); the longest
+    ending a leaf's path shares wins. A parameter with the empty path (params that are one
+    array) ends every path. Endings are kept as strings, which the garbage collector does not
+    track: a large model has hundreds of thousands of them.
 
     Example:
         >>> from flax_escale.plan._follow import _ParamLookup
-        >>> lookup = _ParamLookup([(("p", "up", "w"), "up"), (("p", "down", "w"), "down")])
-        >>> lookup.match(("opt_state", "w")) is None  # "w" ends both paths: it names neither
+        >>> lookup = _ParamLookup(["p/up/w", "p/down/w"], lambda i, j: False)
+        >>> lookup.match("opt_state/w") is None  # "w" ends both paths: it names neither
         True
-        >>> lookup.match(("opt_state", "0", "mu", "down", "w"))  # (parameter, ending's start)
-        (1, 3)
+        >>> lookup.match("opt_state/0/mu/down/w")  # (parameter, where the ending starts)
+        (1, 15)
     """
 
-    def __init__(self, params: Sequence[tuple[Sequence[str], T]]) -> None:
-        self._values = [value for _, value in params]
-        owners: dict[tuple[str, ...], list[int]] = {}
-        for index, (keys, _) in enumerate(params):
-            keys = tuple(keys)
-            # Non-empty endings only, but for a parameter whose path is empty (a bare array).
-            for start in range(max(len(keys), 1)):
-                owners.setdefault(keys[start:], []).append(index)
-        self._by_ending = {
-            end: found[0]
-            for end, found in owners.items()
-            if all(self._values[i] == self._values[found[0]] for i in found)
-        }
+    def __init__(self, paths: Sequence[str], agree: Callable[[int, int], bool]) -> None:
+        by_ending: dict[str, int] = {}
+        disputed = set()
+        longest = 0
+        for index, path in enumerate(paths):
+            longest = max(longest, path.count("/") + 1)
+            # Every ending, the whole path first; the empty path is its own only ending.
+            start = 0
+            while True:
+                ending = path[start:]
+                first = by_ending.setdefault(ending, index)
+                if first != index and not agree(first, index):
+                    disputed.add(ending)
+                start = path.find("/", start) + 1
+                if not start:
+                    break
+        for ending in disputed:
+            del by_ending[ending]
+        self._by_ending = by_ending
+        self._longest = longest
 
-    def match(self, keys: Sequence[str]) -> tuple[int, int] | None:
-        """The index of the parameter whose path ends ``keys``, and where that ending starts."""
-        keys = tuple(keys)
-        for start in range(len(keys) + 1):
-            index = self._by_ending.get(keys[start:])
+    def match(self, path: str) -> tuple[int, int] | None:
+        """The parameter whose path ends ``path``, and where that ending starts in ``path``."""
+        by_ending = self._by_ending
+        # No ending has more components than the longest parameter path: skip to there.
+        start = 0
+        for _ in range(path.count("/") + 1 - self._longest):
+            start = path.find("/", start) + 1
+        while True:
+            index = by_ending.get(path[start:])
             if index is not None:
                 return index, start
-        return None
+            start = path.find("/", start) + 1
+            if not start:
+                # Only a parameter that is one bare array (the empty path) ends every path.
+                index = by_ending.get("")
+                return None if index is None else (index, len(path))

@@ -10,7 +10,6 @@ the input replaces each box by one entry, which is a valid prefix for ``jax.jit`
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,11 +119,13 @@ def leaves_with_paths(
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
     paths: list[str] = []
-    found: list[Any] = []
-    add_path, add_leaf = paths.append, found.append
+    add_path = paths.append
+    count = len(leaves)
 
     def walk(x: Any, path: str) -> None:
-        # Under x, a node is_leaf does not take, at path.
+        # Under x, a node JAX did not take as a leaf, at path. A child is a leaf when it is the
+        # very object JAX gave next (is_leaf was asked once, by JAX; the same object always
+        # gets the same answer); anything else is walked into.
         kind = type(x)
         if kind is dict:
             try:
@@ -139,29 +140,31 @@ def leaves_with_paths(
             return
         else:
             children = None if _is_leaf_type(kind) else _children(x)
-            if children is None:  # a value JAX does not flatten: a leaf
-                add_path(path)
-                add_leaf(x)
-                return
+            if children is None:  # a value JAX takes as a leaf, yet not the one it gave here
+                raise _Unexpected
         prefix = f"{path}/" if path else ""
         for key, child in children:
             child_path = prefix + (key if type(key) is str else key_name(key))
-            # (an array is a leaf whatever is_leaf says: JAX asked it already)
-            if _is_leaf_type(type(child)) or is_leaf(child):
+            if len(paths) < count and child is leaves[len(paths)]:
                 add_path(child_path)
-                add_leaf(child)
             else:
                 walk(child, child_path)
 
-    if is_leaf(tree):
-        add_path("")
-        add_leaf(tree)
-    else:
-        walk(tree, "")
-    if len(found) != len(leaves) or not all(map(operator.is_, found, leaves)):
+    try:
+        if count == 1 and leaves[0] is tree:
+            add_path("")
+        else:
+            walk(tree, "")
+        if len(paths) != count:
+            raise _Unexpected
+    except _Unexpected:  # a node flattened otherwise than expected: JAX's own key paths
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         paths = [path_of(key_path) for key_path, _ in flat]
     return paths, leaves, treedef
+
+
+class _Unexpected(Exception):
+    """The walk met a node that JAX flattens otherwise than the walk expects."""
 
 
 def _children(x: Any) -> list[tuple[Any, Any]] | None:

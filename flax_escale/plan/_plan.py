@@ -20,6 +20,7 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._collector import collector_paused
 from flax_escale.plan._resolving import (
     IDLE_AXES_MIN_BYTES,
     array_dtype,
@@ -244,11 +245,18 @@ def plan_checked(
     use_idle_axes: bool,
 ) -> ShardingPlan:
     """:func:`build_plan` for values already checked: a mesh, frozen rules, bools, notes."""
-    resolutions = resolve_items(
-        items, mesh, frozen, strict=strict, notes=notes, use_idle_axes=use_idle_axes, stacklevel=4
-    )
-    entries = tuple(
-        PlanEntry(path, array_shape(leaf), array_dtype(leaf), annotation, resolution)
-        for (path, leaf, annotation), resolution in zip(items, resolutions, strict=True)
-    )
+    with collector_paused():
+        resolutions = resolve_items(
+            items,
+            mesh,
+            frozen,
+            strict=strict,
+            notes=notes,
+            use_idle_axes=use_idle_axes,
+            stacklevel=4,
+        )
+        entries = tuple(
+            PlanEntry(path, array_shape(leaf), array_dtype(leaf), annotation, resolution)
+            for (path, leaf, annotation), resolution in zip(items, resolutions, strict=True)
+        )
     return ShardingPlan(mesh, entries, treedef, notes)

@@ -24,8 +24,8 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning, ShardingResolutionError
 from flax_escale.plan._annotation import Annotation
-from flax_escale.resolve import Resolution, complete_spec, enforce, resolve_mesh_axes
-from flax_escale.resolve._logical import Resolver, resolver
+from flax_escale.resolve import Resolution, complete_spec, enforce, fit_mesh_axes
+from flax_escale.resolve._resolver import Resolver, resolver
 
 __all__ = [
     "IDLE_AXES_MIN_BYTES",
@@ -173,7 +173,7 @@ class _Resolving:
             key = (id(annotation), shape)
             found = self._fitted.get(key)
             if found is None:
-                found = self._fitted[key] = resolve_mesh_axes(
+                found = self._fitted[key] = fit_mesh_axes(
                     annotation.mesh_axes, shape=shape, mesh=self._mesh
                 )
         else:
@@ -199,10 +199,16 @@ class _Resolving:
         key = (param.spec, rank, kept, shape)
         found = self._followed.get(key)
         if found is None:
-            spec = (*param.spec, *(None,) * (rank - len(param.spec)))
-            found = self._followed[key] = resolve_mesh_axes(
-                tuple(spec[d] for d in kept), shape=shape, mesh=self._mesh
-            )
+            padded = (*param.spec, *(None,) * (rank - len(param.spec)))
+            entries = tuple(padded[d] for d in kept)
+            if param.shape is not None and shape == tuple(param.shape[d] for d in kept):
+                # The kept dimensions have the parameter's sizes, which its fitted spec
+                # divides: nothing to fit (Adam's moments of every parameter come here).
+                spec = PartitionSpec(*entries)
+                found = Resolution(None, spec, shape, param.mesh_shape, spec)
+            else:
+                found = fit_mesh_axes(entries, shape=shape, mesh=self._mesh)
+            self._followed[key] = found
         if self._strict and not found.ok:
             self._raise(found, path)
         return found

@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError
 from flax_escale.plan._annotation import read_arrays
+from flax_escale.plan._collector import collector_paused
 from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.plan._resolving import resolve_items, sharding_tree
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
@@ -96,14 +97,15 @@ def logical_to_mesh_sharding(
             "'mlp_intermediate')}, or jax.eval_shape of the model's init."
         )
     frozen = as_logical_rules(rules)
-    annotated = read_arrays(tree)
-    if annotated is not None:
-        # The specs plan_sharding's plan holds (without the plan's entries).
-        treedef, items = annotated
-        resolutions = resolve_items(
-            items, mesh, frozen, strict=strict, notes=(), use_idle_axes=use_idle_axes
-        )
-        return sharding_tree(mesh, treedef, resolutions)
+    with collector_paused():
+        annotated = read_arrays(tree)
+        if annotated is not None:
+            # The specs plan_sharding's plan holds (without the plan's entries).
+            treedef, items = annotated
+            resolutions = resolve_items(
+                items, mesh, frozen, strict=strict, notes=(), use_idle_axes=use_idle_axes
+            )
+            return sharding_tree(mesh, treedef, resolutions)
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
     # A spec resolved without a problem gives the same sharding wherever it repeats.
     made: dict[Any, NamedSharding] = {}

@@ -1,13 +1,14 @@
 """Layer 3: logical axes (+ shape and mesh) to ``PartitionSpec``."""
 
+from flax_escale._moved import moved_names as _moved_names
 from flax_escale.resolve._complete import Completion, complete_spec
 from flax_escale.resolve._fit import Correction, fit_spec
 from flax_escale.resolve._logical import (
     LogicalAxes,
     logical_to_mesh_axes,
     resolve_logical_axes,
-    resolve_mesh_axes,
 )
+from flax_escale.resolve._mesh_axes import fit_mesh_axes
 from flax_escale.resolve._resolution import PassedOver, Resolution, enforce
 from flax_escale.resolve._rules import RulesLike, as_logical_rules
 
@@ -21,8 +22,16 @@ __all__ = [
     "as_logical_rules",
     "complete_spec",
     "enforce",
+    "fit_mesh_axes",
     "fit_spec",
     "logical_to_mesh_axes",
     "resolve_logical_axes",
-    "resolve_mesh_axes",
 ]
+
+__getattr__ = _moved_names(
+    __name__,
+    {
+        "resolve_mesh_axes": "flax_escale.resolve.fit_mesh_axes; renamed: it fits a spec given in "
+        "mesh axes, there are no logical names to resolve",
+    },
+)

@@ -12,7 +12,7 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, without_unit_explicit_axes
 from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
-from flax_escale.resolve import enforce, resolve_mesh_axes
+from flax_escale.resolve import enforce, fit_mesh_axes
 
 __all__ = ["apply_spec", "with_sharding_constraint"]
 
@@ -189,6 +189,6 @@ def _constrain_leaf(
             except NoMeshError:
                 return leaf
     array = leaf if isinstance(leaf, jax.Array) else _as_array(leaf)
-    resolution = resolve_mesh_axes(tuple(spec), shape=array.shape, mesh=mesh)
+    resolution = fit_mesh_axes(tuple(spec), shape=array.shape, mesh=mesh)
     enforce(resolution, strict=strict, stacklevel=4)
     return apply_spec(array, resolution.spec, mesh)

@@ -45,7 +45,7 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
     kernels and their biases); when the entries cut name mesh axes, or a spec names one mesh
     axis in two dimensions, those axes are dropped with a
     :class:`~flax_escale.ShardingCorrectionWarning` naming the path (the one policy of
-    :func:`~flax_escale.resolve._logical.enforce`; make it an error with ``warnings`` filters).
+    :func:`~flax_escale.resolve.enforce`; make it an error with ``warnings`` filters).
     Leaves may be arrays,
     ``jax.ShapeDtypeStruct`` (so the result can be the ``out_shardings`` of a sharded init), or
     Flax boxes, which are replaced by their spec.

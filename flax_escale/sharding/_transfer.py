@@ -14,7 +14,7 @@ from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan._paths import path_of
-from flax_escale.resolve import enforce, resolve_mesh_axes
+from flax_escale.resolve import enforce, fit_mesh_axes
 
 __all__ = [
     "as_named_sharding",
@@ -116,7 +116,7 @@ def make_shard_and_gather_fns(
         path = path_of(key_path)
 
         def shard_fn(array: Any) -> jax.Array:
-            resolution = resolve_mesh_axes(
+            resolution = fit_mesh_axes(
                 tuple(sharding.spec), shape=np.shape(array), mesh=sharding.mesh
             )
             target = sharding

@@ -43,7 +43,7 @@ class StatePartitioning:
         (``logical_axes``, ``out_sharding``). Optimizer state inherits them: leaves of the
         parameter's shape keep them all, and leaves with a dimension less (Adafactor's factored
         statistics) get the names without it (see
-        :func:`~flax_escale.plan._optimizer.follow_params`). Other leaves are ``None``. An
+        :func:`~flax_escale.plan._follow.follow_params`). Other leaves are ``None``. An
         ``AxisNames`` compares equal to the ``PartitionSpec`` of the same names, which is what
         t5x's (Flax's) logical axes are.
 

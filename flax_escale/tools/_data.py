@@ -49,7 +49,7 @@ def batch_sharding(
         shape: The global batch's shape.
         logical_axes: One logical name (or ``None``) per dimension; missing trailing names are
             ``None``. Defaults to ``("batch", "sequence")`` for the first two dimensions.
-        rules: The rules (see :func:`~flax_escale.resolve._logical.as_logical_rules`).
+        rules: The rules (see :func:`~flax_escale.resolve.as_logical_rules`).
         strict: Raise instead of warning when something cannot apply.
 
     Raises:

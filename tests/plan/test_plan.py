@@ -19,7 +19,7 @@ from flax_escale import (
 )
 from flax_escale.plan import Annotation, PlanEntry
 from flax_escale.plan._plan import build_plan
-from flax_escale.resolve import Correction, resolve_mesh_axes
+from flax_escale.resolve import Correction, fit_mesh_axes
 
 HM = ("hidden_state", "mlp_intermediate")
 MESH_SHAPE = "{'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1}"
@@ -462,7 +462,7 @@ def test_notes_and_problems_share_one_warning(mesh2):
     assert message.index("parameter 'w'") < message.index("a note")
 
 
-# resolve_mesh_axes.
+# fit_mesh_axes.
 
 
 @pytest.mark.parametrize(
@@ -479,8 +479,8 @@ def test_notes_and_problems_share_one_warning(mesh2):
         ((), (), P(), []),
     ],
 )
-def test_resolve_mesh_axes(mesh2, spec, shape, expected, kinds):
-    r = resolve_mesh_axes(spec, shape=shape, mesh=mesh2)
+def test_fit_mesh_axes(mesh2, spec, shape, expected, kinds):
+    r = fit_mesh_axes(spec, shape=shape, mesh=mesh2)
     assert r.spec == expected
     assert r.rules_spec == P(*spec)
     assert r.shape == shape
@@ -490,14 +490,14 @@ def test_resolve_mesh_axes(mesh2, spec, shape, expected, kinds):
     assert r.ok is (not kinds)
 
 
-def test_resolve_mesh_axes_accepts_an_abstract_mesh(mesh2):
-    r = resolve_mesh_axes(("dp", "tp"), shape=(8, 6), mesh=mesh2.abstract_mesh)
+def test_fit_mesh_axes_accepts_an_abstract_mesh(mesh2):
+    r = fit_mesh_axes(("dp", "tp"), shape=(8, 6), mesh=mesh2.abstract_mesh)
     assert r.spec == P("dp", None)
 
 
-def test_resolve_mesh_axes_strict_message(mesh2):
+def test_fit_mesh_axes_strict_message(mesh2):
     with pytest.raises(ShardingResolutionError) as info:
-        resolve_mesh_axes(("dp", "tp"), shape=(8, 6), mesh=mesh2, strict=True, path="dense/kernel")
+        fit_mesh_axes(("dp", "tp"), shape=(8, 6), mesh=mesh2, strict=True, path="dense/kernel")
     message = str(info.value)
     assert message.startswith(
         f"parameter 'dense/kernel': mesh axes {P('dp', 'tp')} with shape (8, 6) on mesh "
@@ -508,14 +508,14 @@ def test_resolve_mesh_axes_strict_message(mesh2):
     assert message.endswith("(strict=True; pass strict=False to correct instead.)")
 
 
-def test_resolve_mesh_axes_strict_without_path(mesh2):
+def test_fit_mesh_axes_strict_without_path(mesh2):
     expected = "^" + re.escape(f"mesh axes {P('fsdp')} with shape")
     with pytest.raises(ShardingResolutionError, match=expected):
-        resolve_mesh_axes(("fsdp",), shape=(8,), mesh=mesh2, strict=True)
+        fit_mesh_axes(("fsdp",), shape=(8,), mesh=mesh2, strict=True)
 
 
-def test_resolve_mesh_axes_strict_passes_a_valid_spec(mesh2):
-    r = resolve_mesh_axes((None, ("dp", "tp")), shape=(3, 16), mesh=mesh2, strict=True)
+def test_fit_mesh_axes_strict_passes_a_valid_spec(mesh2):
+    r = fit_mesh_axes((None, ("dp", "tp")), shape=(3, 16), mesh=mesh2, strict=True)
     assert r.spec == P(None, ("dp", "tp"))
     assert r.corrections == ()
 

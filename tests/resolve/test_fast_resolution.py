@@ -33,7 +33,7 @@ from flax_escale.plan import _paths
 from flax_escale.plan._annotation import annotated_leaves
 from flax_escale.plan._plan import build_plan
 from flax_escale.resolve import PassedOver, Resolution, fit_spec
-from flax_escale.resolve._logical import _FREE, _unplaced, resolver
+from flax_escale.resolve._resolver import _FREE, _unplaced, resolver
 
 
 def reference(names, rules, shape, mesh_shape) -> Resolution | str:

@@ -1,7 +1,7 @@
 """Mistakes users make with the resolution of logical axes, one case each.
 
 Cases for ``as_logical_rules``, ``logical_to_mesh_axes``, ``resolve_logical_axes`` and
-``resolve_mesh_axes``. What a case asserts, and the rest of the table: ``support/mistakes.py``.
+``fit_mesh_axes``. What a case asserts, and the rest of the table: ``support/mistakes.py``.
 """
 
 import pytest
@@ -15,7 +15,7 @@ from support.mistakes import (
 )
 
 import flax_escale as fe
-from flax_escale.resolve import as_logical_rules, resolve_mesh_axes
+from flax_escale.resolve import as_logical_rules, fit_mesh_axes
 
 CASES = [
     # --- a string where a sequence of names is expected -------------------------------------
@@ -102,12 +102,12 @@ CASES = [
         id="logical_to_mesh_axes-mesh-dict",
     ),
     case(
-        lambda: resolve_mesh_axes(("dp",), shape=(8,), mesh="dp:8"),
+        lambda: fit_mesh_axes(("dp",), shape=(8,), mesh="dp:8"),
         T,
         "mesh",
         "'dp:8'",
         "parse_mesh_from_string",
-        id="resolve_mesh_axes-mesh-string",
+        id="fit_mesh_axes-mesh-string",
     ),
     # --- malformed rules, named where they enter -------------------------------------------
     case(
