@@ -6,12 +6,8 @@ following its parameter, and Flax's idiom ``logical_to_mesh_sharding`` on the sa
 Placing arrays by these shardings at run time is :mod:`flax_escale.sharding`'s.
 """
 
-from flax_escale.plan._annotation import (
-    Annotation,
-    annotated_leaves,
-    arrays_only,
-    read_annotation,
-)
+from flax_escale.plan._annotation import Annotation, read_annotation
+from flax_escale.plan._leaves import annotated_leaves, arrays_only
 from flax_escale.plan._optimizer import init_opt_state, opt_state_shardings
 from flax_escale.plan._plan import (
     IDLE_AXES_MIN_BYTES,

@@ -9,8 +9,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError
-from flax_escale.plan._annotation import read_arrays
 from flax_escale.plan._collector import collector_paused
+from flax_escale.plan._leaves import read_arrays
 from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.plan._resolving import resolve_items, sharding_tree
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes

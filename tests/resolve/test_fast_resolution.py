@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import flax_escale as fe
 from flax_escale._specs import mesh_axes_of
 from flax_escale.plan import _paths
-from flax_escale.plan._annotation import annotated_leaves
+from flax_escale.plan._leaves import annotated_leaves
 from flax_escale.plan._plan import build_plan
 from flax_escale.resolve import PassedOver, Resolution, fit_spec
 from flax_escale.resolve._resolver import _FREE, _unplaced, resolver
