@@ -51,7 +51,9 @@ checks every leaf (``NamedSharding.is_equivalent_to`` on the leaf's rank) and pr
 agree (for ``corrections``, the leaves not corrected).
 
 Conditions: the garbage collector stays on (``gc.collect()`` runs, untimed, before each timed
-call so that no call pays for garbage another left); the two calls run in interleaved rounds
+call so that no call pays for garbage another left); the library pauses it inside its own call
+while it reads and resolves the tree (which makes no reference cycles), and that is part of
+what is measured; the two calls run in interleaved rounds
 (library, Flax, then Flax, library, ...) and each reports the median of its rounds. *Cold*:
 every cache of the library (each ``functools`` cache in any loaded ``flax_escale`` module,
 listed when the script starts) is cleared, untimed, before each of its calls. *Warm*: the

@@ -167,7 +167,7 @@ class _ParamLookup:
             while True:
                 ending = path[start:]
                 first = by_ending.setdefault(ending, index)
-                if first != index and not agree(first, index):
+                if first != index and ending not in disputed and not agree(first, index):
                     disputed.add(ending)
                 start = path.find("/", start) + 1
                 if not start:

@@ -121,8 +121,11 @@ def leaves_with_paths(
     paths: list[str] = []
     add_path = paths.append
     count = len(leaves)
+    expected = iter(leaves)
+    upcoming = next(expected, _END)
 
     def walk(x: Any, path: str) -> None:
+        nonlocal upcoming
         # Under x, a node JAX did not take as a leaf, at path. A child is a leaf when it is the
         # very object JAX gave next (is_leaf was asked once, by JAX; the same object always
         # gets the same answer); anything else is walked into.
@@ -145,8 +148,9 @@ def leaves_with_paths(
         prefix = f"{path}/" if path else ""
         for key, child in children:
             child_path = prefix + (key if type(key) is str else key_name(key))
-            if len(paths) < count and child is leaves[len(paths)]:
+            if child is upcoming:
                 add_path(child_path)
+                upcoming = next(expected, _END)
             else:
                 walk(child, child_path)
 
@@ -161,6 +165,9 @@ def leaves_with_paths(
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         paths = [path_of(key_path) for key_path, _ in flat]
     return paths, leaves, treedef
+
+
+_END = object()
 
 
 class _Unexpected(Exception):

@@ -195,10 +195,11 @@ class _Resolving:
         self, path: str, shape: tuple[int, ...], param: Resolution, kept: tuple[int, ...]
     ) -> Resolution:
         """The resolution of optimizer state keeping the dimensions ``kept`` of ``param``."""
-        rank = len(param.shape or ())
-        key = (param.spec, rank, kept, shape)
+        # (the parameter's resolution stays alive while the plan is made: its id names it)
+        key = (id(param), kept, shape)
         found = self._followed.get(key)
         if found is None:
+            rank = len(param.shape or ())
             padded = (*param.spec, *(None,) * (rank - len(param.spec)))
             entries = tuple(padded[d] for d in kept)
             if param.shape is not None and shape == tuple(param.shape[d] for d in kept):

@@ -115,15 +115,11 @@ class Resolver:
                     self._like.clear()
                 self._like[key] = found
             return found
-        return Resolution(
-            like.logical_axes,
-            like.spec,
-            shape,
-            like.mesh_shape,
-            like.rules_spec,
-            unknown_names=like.unknown_names,
-            padded=like.padded,
-        )
+        # ``like`` with this shape, made without __init__ (its fields were checked when it was
+        # made; a large model has tens of thousands of these).
+        made = object.__new__(Resolution)
+        made.__dict__.update(like.__dict__, shape=shape)
+        return made
 
     def _spec(self, entries: tuple[Any, ...]) -> PartitionSpec:
         spec = self._specs.get(entries)
