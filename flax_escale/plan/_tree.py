@@ -8,6 +8,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleTypeError
 from flax_escale.plan._collector import collector_paused
 from flax_escale.plan._leaves import read_arrays
@@ -97,15 +98,12 @@ def logical_to_mesh_sharding(
             "'mlp_intermediate')}, or jax.eval_shape of the model's init."
         )
     frozen = as_logical_rules(rules)
+    # Paused around a call, so that what the call made and dropped is gone before the
+    # collector runs again: it then looks at the shardings only.
     with collector_paused():
-        annotated = read_arrays(tree)
-        if annotated is not None:
-            # The specs plan_sharding's plan holds (without the plan's entries).
-            treedef, items = annotated
-            resolutions = resolve_items(
-                items, mesh, frozen, strict=strict, notes=(), use_idle_axes=use_idle_axes
-            )
-            return sharding_tree(mesh, treedef, resolutions)
+        shardings = _planned(tree, mesh, frozen, strict, use_idle_axes)
+    if shardings is not _SPECS:
+        return shardings
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
     # A spec resolved without a problem gives the same sharding wherever it repeats.
     made: dict[Any, NamedSharding] = {}
@@ -125,6 +123,22 @@ def logical_to_mesh_sharding(
                 made[key] = found
         shardings.append(found)
     return treedef.unflatten(shardings)
+
+
+_SPECS = object()
+
+
+def _planned(tree: Any, mesh: Mesh, frozen: LogicalRules, strict: bool, use_idle_axes: bool) -> Any:
+    # The shardings plan_sharding's plan holds, for annotated variables (without the plan's
+    # entries); _SPECS for a tree of logical specs.
+    annotated = read_arrays(tree)
+    if annotated is None:
+        return _SPECS
+    treedef, items = annotated
+    resolutions = resolve_items(
+        items, mesh, frozen, strict=strict, notes=(), use_idle_axes=use_idle_axes, stacklevel=3
+    )
+    return sharding_tree(mesh, treedef, resolutions)
 
 
 def _is_spec(x: Any) -> bool:
