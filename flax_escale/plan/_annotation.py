@@ -25,6 +25,7 @@ from flax.core import meta
 from flax.linen import partitioning
 
 from flax_escale import _checks as check
+from flax_escale._dataclasses import replace_checked
 from flax_escale.axes import LogicalRules
 from flax_escale.resolve import as_logical_rules
 
@@ -101,19 +102,14 @@ class Annotation:
         if len(kept) != len(axes) or kept != tuple(range(len(axes))):
             axes = tuple(axes[d] for d in kept)
         logical = self.logical_axes is not None
-        # Made without __init__: the entries were checked when this annotation was, and a
-        # large model's optimizer state makes tens of thousands of these.
-        made = object.__new__(Annotation)
-        made.__dict__.update(
+        # (its entries were checked when this annotation was)
+        return replace_checked(
+            self,
             logical_axes=axes if logical else None,
             mesh_axes=self.mesh_axes if logical else axes,
             source=f"{self.source} (follows {path})",
-            rules=self.rules,
-            local_rules=self.local_rules,
-            names_may_be_mesh_axes=self.names_may_be_mesh_axes,
             follows=(path, kept),
         )
-        return made
 
 
 def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | None:

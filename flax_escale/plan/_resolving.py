@@ -10,7 +10,6 @@ their resolution, so the work is done once per distinct pair, not once per array
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Collection, Sequence
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale._dataclasses import replace_checked
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning, ShardingResolutionError
@@ -284,7 +284,7 @@ class _IdleAxes:
         )
         if not added:
             return resolution
-        return dataclasses.replace(resolution, spec=spec, completed=added)
+        return replace_checked(resolution, spec=spec, completed=added)
 
     def _idle_axes(self, resolution: Resolution) -> list[str]:
         spec, names = resolution.spec, resolution.logical_axes

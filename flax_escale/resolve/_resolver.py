@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from jax.sharding import PartitionSpec
 
+from flax_escale._dataclasses import replace_checked
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
 from flax_escale.resolve._fit import Correction, fit_spec
@@ -115,11 +116,7 @@ class Resolver:
                     self._like.clear()
                 self._like[key] = found
             return found
-        # ``like`` with this shape, made without __init__ (its fields were checked when it was
-        # made; a large model has tens of thousands of these).
-        made = object.__new__(Resolution)
-        made.__dict__.update(like.__dict__, shape=shape)
-        return made
+        return replace_checked(like, shape=shape)
 
     def _spec(self, entries: tuple[Any, ...]) -> PartitionSpec:
         spec = self._specs.get(entries)
