@@ -98,9 +98,7 @@ class Annotation:
 
     def following(self, path: str, kept: tuple[int, ...]) -> Annotation:
         """The annotation of state that tracks this parameter (at ``path``), keeping ``kept``."""
-        axes = self.axes
-        if len(kept) != len(axes) or kept != tuple(range(len(axes))):
-            axes = tuple(axes[d] for d in kept)
+        axes = tuple(self.axes[d] for d in kept)
         logical = self.logical_axes is not None
         # (its entries were checked when this annotation was)
         return replace_checked(

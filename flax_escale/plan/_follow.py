@@ -81,9 +81,8 @@ def follow_params(
     params = params if isinstance(params, list) else list(params)
 
     def agree(i: int, j: int) -> bool:
-        return tuple(params[i][1]) == tuple(params[j][1]) and tuple(params[i][2]) == tuple(
-            params[j][2]
-        )
+        (_, shape_i, entries_i), (_, shape_j, entries_j) = params[i], params[j]
+        return tuple(shape_i) == tuple(shape_j) and tuple(entries_i) == tuple(entries_j)
 
     lookup = _ParamLookup([path for path, _, _ in params], agree)
     followed: list[Followed[T] | None] = []
