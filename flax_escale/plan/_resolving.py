@@ -25,6 +25,7 @@ from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning, ShardingResolutionError
 from flax_escale.plan._annotation import Annotation
 from flax_escale.resolve import Resolution, complete_spec, enforce, fit_mesh_axes
+from flax_escale.resolve._resolution import at_path
 from flax_escale.resolve._resolver import Resolver, resolver
 
 __all__ = [
@@ -102,9 +103,7 @@ def resolve_items(
             resolutions[i] = resolved[path] = resolution
     if strict and notes:
         raise EscaleError("\n".join(notes) + "\n(strict=True; pass strict=False to go on.)")
-    problems = [
-        r.describe(path) for (path, _, _), r in zip(items, resolutions, strict=True) if not r.ok
-    ]
+    problems = _problems(items, resolutions)
     if problems or notes:
         warnings.warn(
             "\n".join([*problems, *notes]) + "\n(Pass strict=True to make these errors.)",
@@ -112,6 +111,23 @@ def resolve_items(
             stacklevel=stacklevel + 1,
         )
     return resolutions
+
+
+def _problems(
+    items: Sequence[tuple[str, Any, Annotation | None]], resolutions: Sequence[Resolution]
+) -> list[str]:
+    # What each array's resolution could not apply, naming its path. Arrays that share a
+    # resolution (every layer's query kernel) share the text after the path: it is built once.
+    described: dict[int, str] = {}
+    problems = []
+    for (path, _, _), resolution in zip(items, resolutions, strict=True):
+        if resolution.ok:
+            continue
+        text = described.get(id(resolution))
+        if text is None:
+            text = described[id(resolution)] = resolution.describe()
+        problems.append(at_path(path, text))
+    return problems
 
 
 def sharding_tree(mesh: Mesh, treedef: Any, resolutions: Sequence[Resolution]) -> Any:
@@ -217,7 +233,7 @@ class _Resolving:
     @staticmethod
     def _raise(found: Resolution | str, path: str) -> None:
         if type(found) is str:
-            raise ShardingResolutionError((f"parameter {path!r}: " if path else "") + found)
+            raise ShardingResolutionError(at_path(path, found))
         enforce(found, strict=True, path=path)
 
 

@@ -19,7 +19,7 @@ from flax_escale.errors import (
     ShardingResolutionError,
 )
 from flax_escale.mesh import current_mesh as get_incontext_mesh
-from flax_escale.resolve._resolution import Resolution, enforce
+from flax_escale.resolve._resolution import Resolution, at_path, enforce
 from flax_escale.resolve._resolver import resolver
 from flax_escale.resolve._rules import RulesLike, as_logical_rules
 
@@ -106,7 +106,7 @@ def resolve_checked(
     """
     resolution = resolver(rules, mesh_shape).resolve(names, shape)
     if isinstance(resolution, str):
-        raise ShardingResolutionError((f"parameter {path!r}: " if path else "") + resolution)
+        raise ShardingResolutionError(at_path(path, resolution))
     if strict:
         enforce(resolution, strict=True, path=path)
     return resolution

@@ -18,7 +18,7 @@ from flax_escale.errors import ShardingCorrectionWarning, ShardingResolutionErro
 from flax_escale.resolve._complete import Completion
 from flax_escale.resolve._fit import Correction
 
-__all__ = ["PassedOver", "Resolution", "enforce"]
+__all__ = ["PassedOver", "Resolution", "at_path", "enforce"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,6 @@ class Resolution:
 
     def describe(self, path: str | None = None) -> str:
         """A message naming the path, logical axes, shape, spec and mesh, and how to fix it."""
-        where = f"parameter {path!r}: " if path else ""
         mesh = dict(self.mesh_shape) if self.mesh_shape is not None else "(no mesh)"
         problems = [
             f"dimension {c.dim}{self._name(c.dim)}: {c.detail}; dropped {c.mesh_axes}. "
@@ -101,14 +100,26 @@ class Resolution:
         result = f"resolve to {self.rules_spec}"
         if self.spec != self.rules_spec:
             result += f", corrected to {self.spec}"
-        return f"{where}{given} with shape {self.shape} on mesh {mesh} {result}:\n  - " + (
+        text = f"{given} with shape {self.shape} on mesh {mesh} {result}:\n  - " + (
             "\n  - ".join(problems)
         )
+        return at_path(path, text)
 
     def _name(self, dim: int) -> str:
         if self.logical_axes is None or dim >= len(self.logical_axes):
             return ""
         return f" ({self.logical_axes[dim]})"
+
+
+def at_path(path: str | None, text: str) -> str:
+    """``text`` about the array at ``path``, naming it first (no path: ``text`` alone).
+
+    Example:
+        >>> from flax_escale.resolve._resolution import at_path
+        >>> at_path("params/w", "no rule")
+        "parameter 'params/w': no rule"
+    """
+    return f"parameter {path!r}: {text}" if path else text
 
 
 def _capitalized(text: str) -> str:
