@@ -4,7 +4,9 @@ Started as ``python -m flax_escale.planning._child`` with the request as JSON on
 input; it stays on the CPU platform and, for a CPU target, gives itself the requested number of
 simulated CPU devices before JAX starts,
 builds the workload from its reference, and writes each event of the evaluation as one line of
-standard output (prefixed, so that the workload's own prints pass through).
+standard output (prefixed, so that the workload's own prints pass through). The figures another
+child already reported (one a compiler abort ended) come with the request, and are not
+compiled again.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def main() -> int:
     if target.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", target.device_count)
 
-    from flax_escale.planning._evaluate import evaluate
+    from flax_escale.planning._evaluate import Figures, evaluate
     from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
     from flax_escale.planning._profiles import HardwareProfile
 
@@ -48,6 +50,7 @@ def main() -> int:
         time_budget=request["time_budget"],
         cache_dir=Path(request["cache_dir"]) if request["cache_dir"] else None,
         report=report,
+        known=[Figures.from_json(f) for f in request.get("known", ())],
     )
     return 0
 

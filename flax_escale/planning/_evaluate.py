@@ -99,6 +99,7 @@ def evaluate(
     time_budget: float | None = None,
     cache_dir: Path | None = None,
     report: Report = lambda event: None,
+    known: Sequence[Figures] = (),
 ) -> list[Figures]:
     """Plans, prunes and compiles the workload on every mesh of the target's devices.
 
@@ -109,7 +110,12 @@ def evaluate(
     ``exhaustive``.
 
     ``report`` receives ``{"event": "start", "total": n}`` (meshes to compile), then
-    ``{"event": "figures", "figures": ...}`` for every mesh, in order.
+    ``{"event": "figures", "figures": ...}`` for every mesh, in order; before a mesh is
+    handed to the compiler, ``{"event": "compiling", "figures": ...}`` with the figures to
+    record should the compiler take the process down with it (status ``"failed"``).
+
+    ``known`` holds figures an earlier evaluation of the same plan reported (by a process the
+    compiler ended): their meshes are not compiled again, nor reported again.
     """
     start = time.perf_counter()
     if axes is None:
@@ -133,31 +139,34 @@ def evaluate(
     kept.sort(key=lambda k: k.textbook)
     report({"event": "start", "total": len(kept), "pruned": len(ruled_out)})
     results = []
+    done = {_key(f.shape): f for f in known}
     for figures in ruled_out:
-        report({"event": "figures", "figures": figures.as_json()})
+        if _key(figures.shape) not in done:
+            report({"event": "figures", "figures": figures.as_json()})
     best: tuple[float, str] | None = None  # the best estimate of a mesh that fits, and its mesh
     for k in kept:
         spent = time.perf_counter() - start
-        if time_budget is not None and spent > time_budget:
-            figures = Figures(
-                k.shape, "skipped", f"the time budget of {time_budget:g} s was spent", k.corrections
-            )
+        figures = done.get(_key(k.shape))
+        if figures is not None:
+            pass  # reported by the process that found it
+        elif time_budget is not None and spent > time_budget:
+            figures = k.figures("skipped", f"the time budget of {time_budget:g} s was spent")
         elif not exhaustive and best is not None and k.textbook > RULE_OUT_MARGIN * best[0]:
-            figures = Figures(
-                k.shape,
+            figures = k.figures(
                 "ruled out",
                 f"its collectives alone take {k.textbook * 1e3:.3g} ms by the textbook "
                 f"({k.detail}), more than {RULE_OUT_MARGIN:g} x the {best[0] * 1e3:.3g} ms "
                 f"estimated for {best[1]}",
-                k.corrections,
             )
         else:
             figures = _compile(
-                workload, target, k.shape, k.mesh, k.plan, k.corrections, memory_bytes, cache_dir
+                workload,
+                target,
+                k,
+                memory_bytes,
+                cache_dir,
+                lambda failed: report({"event": "compiling", "figures": failed.as_json()}),
             )
-        figures = dataclasses.replace(
-            figures, textbook_seconds=k.textbook, tokens_per_device=k.tokens
-        )
         if figures.status == "compiled" and _peak(figures) <= memory_bytes:
             seconds = sum(
                 estimate_seconds(
@@ -168,8 +177,13 @@ def evaluate(
                 label = " ".join(f"{a}={s}" for a, s in k.shape.items() if s > 1)
                 best = (seconds, label or "one device")
         results.append(figures)
-        report({"event": "figures", "figures": figures.as_json()})
+        if _key(k.shape) not in done:
+            report({"event": "figures", "figures": figures.as_json()})
     return [*ruled_out, *results]
+
+
+def _key(shape: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(shape.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +196,19 @@ class _Kept:
     textbook: float
     detail: str
     tokens: float | None
+
+    def own(self) -> dict[str, Any]:
+        """The figures this mesh has whatever compiling it finds."""
+        return {
+            "shape": self.shape,
+            "corrections": self.corrections,
+            "textbook_seconds": self.textbook,
+            "tokens_per_device": self.tokens,
+        }
+
+    def figures(self, status: str, reason: str = "", **found: Any) -> Figures:
+        """This mesh's figures: its status, and what was found."""
+        return Figures(status=status, reason=reason, **self.own(), **found)
 
 
 def _peak(figures: Figures) -> int:
@@ -243,26 +270,22 @@ def _prune(
 def _compile(
     workload: Workload,
     target: Target,
-    shape: dict[str, int],
-    mesh: Any,
-    plan: ShardingPlan,
-    corrections: tuple[str, ...],
+    kept: _Kept,
     memory_bytes: int,
     cache_dir: Path | None,
+    compiling: Callable[[Figures], None],
 ) -> Figures:
     start = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ShardingCorrectionWarning)  # already recorded
-            programs = lower_programs(workload, mesh, plan)
+            programs = lower_programs(workload, kept.mesh, kept.plan)
     except EscaleError as error:
-        return Figures(shape, "failed", f"could not trace the step: {error}", corrections)
+        return kept.figures("failed", f"could not trace the step: {error}")
     if programs.state_bytes > memory_bytes:
-        return Figures(
-            shape,
+        return kept.figures(
             "state too large",
             "the train state alone needs more than the budget on one device",
-            corrections,
             state_bytes=programs.state_bytes,
         )
     key = _cache_key(
@@ -274,32 +297,28 @@ def _compile(
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(
-            Figures.from_json(cached),
-            shape=shape,
-            corrections=corrections,
-            compile_seconds=0.0,
-            cached=True,
+            Figures.from_json(cached), **kept.own(), compile_seconds=0.0, cached=True
         )
+    compiling(
+        kept.figures(
+            "failed",
+            f"the {target.platform.upper()} compiler ended the process compiling it",
+            state_bytes=programs.state_bytes,
+        )
+    )
     try:
         init = programs.init.compile(compiler_options=target.compiler_options)
         step = programs.step.compile(compiler_options=target.compiler_options)
     except jax.errors.JaxRuntimeError as error:
         # The target's compiler refused the program (out of memory on the chip, say): that
         # mesh is reported with the compiler's own words.
-        return Figures(
-            shape,
-            "failed",
-            f"the {target.platform.upper()} compiler refused it: {error}",
-            corrections,
-        )
+        return kept.figures("failed", f"the {target.platform.upper()} compiler refused it: {error}")
     costs = program_costs(step)
     analysis = step.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     flops = float(analysis.get("flops", 0.0)) - costs.dot_flops_once + costs.dot_flops
-    figures = Figures(
-        shape,
+    figures = kept.figures(
         "compiled",
-        corrections=corrections,
         state_bytes=programs.state_bytes,
         init_peak_bytes=will_it_fit(init).peak_bytes,
         step_peak_bytes=will_it_fit(step).peak_bytes,

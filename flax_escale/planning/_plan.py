@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -82,11 +85,14 @@ def plan_mesh(
     exceeds twice the best estimate already compiled is ruled out without compiling (its row
     says by how much), unless ``exhaustive``.
 
-    More simulated devices than this process has, or a TPU target while this process's JAX
-    runs on an accelerator, are planned in a child process on the CPU platform (this
-    process's JAX is untouched, and no accelerator is started); the workload then has to be
-    importable by the child: pass its factory as ``"module:function"`` (or
-    ``"path/to/file.py:function"``) or as a module-level function.
+    More simulated devices than this process has, or a TPU target, are planned in a child
+    process on the CPU platform (this process's JAX is untouched, and no accelerator is
+    started); the workload then has to be importable by the child: pass its factory as
+    ``"module:function"`` (or ``"path/to/file.py:function"``) or as a module-level function.
+    Should the TPU compiler abort on a mesh (``libtpu`` does on some layouts), that mesh is
+    reported as failed with the compiler's last words and a new child plans the rest. A
+    :class:`Workload` object for a TPU target is compiled in this process while its JAX runs
+    on the CPU, where such an abort would end it.
 
     Args:
         workload: A :class:`Workload`, or a function without arguments returning one, or its
@@ -151,7 +157,7 @@ def plan_mesh(
     }
     start = time.perf_counter()
     with _Events(console, shown, devices, time_budget) as events:
-        if _in_this_process(chosen):
+        if _in_this_process(chosen, workload):
             built = _build(workload)
             figures = evaluate(
                 built,
@@ -180,12 +186,20 @@ def plan_mesh(
     )
 
 
-def _in_this_process(target: Target) -> bool:
-    # Simulated devices this process has, or a TPU description while JAX runs on the CPU
-    # here: anything else is compiled in a child process on the CPU platform.
+def _in_this_process(target: Target, workload: Workload | Factory | str) -> bool:
+    # Simulated devices this process has: here. A TPU target compiles in a child process on
+    # the CPU platform whenever one can build the workload, because libtpu's compiler aborts
+    # its process on some layouts (the child's end then fails one mesh, not the plan, nor the
+    # caller's process); here only for a Workload object, and only while JAX runs on the CPU.
     if target.platform == "cpu":
         return target.device_count <= len(jax.devices("cpu"))
-    return jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        _reference(workload)
+    except EscaleTypeError:
+        return True
+    return False
 
 
 def load_factory(reference: str) -> Factory:
@@ -232,11 +246,16 @@ def _module_from_file(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     # Registered before it runs, as an import would: dataclasses look their module up there.
     sys.modules[spec.name] = module
+    # Its neighbours importable while it runs, as when it runs as a script.
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[spec.name]
         raise
+    finally:
+        sys.path.remove(folder)
     return module
 
 
@@ -260,11 +279,12 @@ def _reference(workload: Workload | Factory | str) -> str:
     module = getattr(workload, "__module__", None)
     name = getattr(workload, "__qualname__", "")
     if callable(workload) and not isinstance(workload, Workload) and module and "<" not in name:
-        if module != "__main__":
+        file = getattr(sys.modules.get(module), "__file__", None)
+        if module != "__main__" and (file is None or _importable(module, file)):
             return f"{module}:{name}"
-        main = getattr(sys.modules["__main__"], "__file__", None)
-        if main:
-            return f"{main}:{name}"
+        # A script, or a module loaded from a file under a name that does not import it.
+        if file:
+            return f"{file}:{name}"
     raise EscaleTypeError(
         f"workload: planning more devices than this process has ({len(jax.devices('cpu'))} "
         "CPU devices), or a TPU target beside an accelerator, compiles in a child process, "
@@ -272,6 +292,20 @@ def _reference(workload: Workload | Factory | str) -> str:
         "pass a module-level function returning the Workload, or its 'module:function' "
         f"reference, rather than {check.describe(workload)}."
     )
+
+
+def _importable(module: str, file: str) -> bool:
+    # Whether importing the name afresh gives the module of this file, as in the child (whose
+    # path is ours): looked up on the path, not in sys.modules, where a module loaded from a
+    # file under any name sits.
+    package, _, name = module.rpartition(".")
+    try:
+        search = importlib.import_module(package).__path__ if package else sys.path
+        spec = importlib.machinery.PathFinder.find_spec(name, search)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None)
+    return origin is not None and Path(origin).resolve() == Path(file).resolve()
 
 
 def frozen_rules(rules: Any) -> tuple[tuple[str, Any], ...] | None:
@@ -294,7 +328,8 @@ class _Events:
     """Receives the evaluation's events, in this process or from the child, and shows them."""
 
     def __init__(self, console: Console, shown: bool, devices: int, budget: float | None):
-        self.figures: list[Figures] = []
+        self.found: dict[tuple[tuple[str, int], ...], Figures] = {}
+        self.compiling: Figures | None = None  # handed to the compiler, not yet reported
         self.rules: Any = None
         budget_text = f", time budget {budget:g} s" if budget is not None else ""
         self.progress = Progress(
@@ -321,17 +356,74 @@ class _Events:
             self.progress.update(
                 self.task, total=event["total"], description=f"compiling {event['total']} meshes"
             )
+        elif event["event"] == "compiling":
+            self.compiling = Figures.from_json(event["figures"])
         elif event["event"] == "figures":
             figures = Figures.from_json(event["figures"])
-            self.figures.append(figures)
+            self.compiling = None
+            self.found[tuple(figures.shape.items())] = figures
             if figures.status != "pruned":
                 label = " ".join(f"{a}={s}" for a, s in figures.shape.items() if s > 1)
                 self.progress.update(self.task, advance=1, description=f"{label} done")
         elif event["event"] == "rules":
             self.rules = event["rules"]
 
+    @property
+    def figures(self) -> list[Figures]:
+        """Every mesh's figures, in the order they were found."""
+        return list(self.found.values())
+
 
 def _run_child(reference: str, request: dict[str, Any], events: _Events, console: Console) -> None:
+    # A compiler that aborts (libtpu does, on some layouts) ends the child with a signal while
+    # it compiles one mesh: that mesh is recorded as failed with the compiler's last words, and
+    # a new child goes on with the others. Each restart settles one mesh, so this ends.
+    while True:
+        code, errors = _child(reference, {**request, "known": _known(events)}, events, console)
+        if code == 0:
+            return
+        failed, events.compiling = events.compiling, None
+        tail = "".join(errors[-20:]).strip()
+        if code > 0 or failed is None:
+            raise EscaleError(
+                f"planning {request['target']['name']} for {reference!r} failed in the child "
+                f"process (exit code {code}):\n{tail}"
+            )
+        words = _last_words(errors)
+        reason = f"{failed.reason} ({_signal_name(-code)})" + (f": {words}" if words else "")
+        events({"event": "figures", "figures": {**failed.as_json(), "reason": reason}})
+
+
+def _last_words(errors: list[str]) -> str:
+    # What the compiler said as it aborted: its fatal log line (glog's "F1126 file.cc:88] ...")
+    # when there is one, else the lines before the crash handler's report.
+    lines = [line.strip() for line in errors if line.strip()]
+    fatal = [line for line in lines if _FATAL.match(line) or "Check failed" in line]
+    if fatal:
+        return fatal[-1]
+    before = next((i for i, line in enumerate(lines) if line.startswith("*** SIG")), len(lines))
+    return " | ".join(lines[:before][-2:])
+
+
+_FATAL = re.compile(r"F\d{4} ")
+
+
+def _known(events: _Events) -> list[dict[str, Any]]:
+    return [f.as_json() for f in events.figures]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _child(
+    reference: str, request: dict[str, Any], events: _Events, console: Console
+) -> tuple[int, list[str]]:
+    # Runs one child to its end: its exit code (negative: the signal that ended it) and the
+    # lines of its standard error.
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -365,9 +457,4 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
                 console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
         code = child.wait()
         drainer.join()
-    if code != 0:
-        tail = "".join(errors[-20:]).strip()
-        raise EscaleError(
-            f"planning {request['target']['name']} for {reference!r} failed in the child process "
-            f"(exit code {code}):\n{tail}"
-        )
+    return code, errors

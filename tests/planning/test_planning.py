@@ -1044,3 +1044,27 @@ def test_lower_programs_gives_the_state_bytes_of_the_fullest_device(cases):
             cases.example("nnx").Llama, truth[dims].mesh, 0, cases.config("nnx")
         ).as_text()
     )
+
+
+@pytest.mark.parametrize(
+    ("stderr", "words"),
+    [
+        (
+            [
+                "W1126 warned.cc:1] a warning\n",
+                "F1126 ici.cc:42] Check failed: routing\n",
+                "*** SIGABRT received by PID 7 ***\n",
+                "PC: @ 0x0\n",
+            ],
+            "F1126 ici.cc:42] Check failed: routing",
+        ),
+        (
+            ["tracing\n", "a line\n", "the last line\n", "*** SIGSEGV received ***\n", "@ 0x1\n"],
+            "a line | the last line",
+        ),
+        ([], ""),
+    ],
+    ids=["fatal log line", "before the crash report", "silent"],
+)
+def test_an_aborted_childs_last_words_are_the_compilers_own(stderr, words):
+    assert plan_module._last_words(stderr) == words

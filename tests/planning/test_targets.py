@@ -257,6 +257,84 @@ def test_the_command_line_plans_for_a_tpu_slice_from_the_cache(gpt_plan, capsys,
     assert "v5e:2x4" in out
 
 
+# --- a compiler that aborts ends one mesh, not the plan ---------------------------------------
+
+ABORTING_MODULE = """
+import os
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from flax_escale.planning import Workload
+
+HERE = Path(__file__)
+
+
+class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
+        )
+        return x @ self.param("w", init, (x.shape[-1], 256))
+
+
+def workload():
+    # As libtpu does on some layouts: the third program handed to the compiler (the second
+    # mesh's init) aborts the process, once.
+    compile = jax.stages.Lowered.compile
+
+    def aborting(self, *args, **kwargs):
+        with HERE.with_suffix(".compiles").open("a") as log:
+            log.write("compile\\n")
+        calls = len(HERE.with_suffix(".compiles").read_text().splitlines())
+        if calls == 3 and not HERE.with_suffix(".aborted").exists():
+            HERE.with_suffix(".aborted").touch()
+            print("F1126 routing.cc:88] no route for the ring, code 6173", file=sys.stderr)
+            sys.stderr.flush()
+            os.abort()
+        return compile(self, *args, **kwargs)
+
+    jax.stages.Lowered.compile = aborting
+    x = jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    return Workload(Dense(), jax.random.key(0), (x,), tx=optax.adam(1e-3))
+"""
+
+
+@pytest.mark.slow
+def test_a_compiler_abort_fails_its_mesh_and_a_new_child_plans_the_rest(tmp_path, monkeypatch):
+    module = tmp_path / "aborting_planned.py"
+    module.write_text(ABORTING_MODULE)
+    plan = plan_mesh(
+        f"{module}:workload", target="v5e-8", axes=("dp", "fsdp"), exhaustive=True, cache=False
+    )
+    assert (tmp_path / "aborting_planned.aborted").exists()
+    by_status = {}
+    for c in plan.candidates:
+        by_status.setdefault(c.figures.status, []).append(c)
+    (failed,) = by_status["failed"]
+    assert failed.figures.reason == (
+        "the TPU compiler ended the process compiling it (SIGABRT): "
+        "F1126 routing.cc:88] no route for the ring, code 6173"
+    )
+    assert failed.figures.textbook_seconds is not None
+    assert failed.figures.state_bytes > 0
+    compiled = by_status["compiled"]
+    assert len(compiled) == 3, plan.candidates  # dp x fsdp of 8: four meshes, one aborted
+    assert sorted(c.dims for c in plan.candidates) == sorted(
+        (8 // f, f, 1, 1, 1) for f in (1, 2, 4, 8)
+    )
+    # The first child compiled one mesh (two programs) and began the next; the second child
+    # compiled only the meshes left (two programs each): nothing was compiled twice.
+    compiles = (tmp_path / "aborting_planned.compiles").read_text().splitlines()
+    assert len(compiles) == 3 + 2 * 2
+    assert plan.best in compiled
+
+
 # --- ruled out by the textbook, never the best ------------------------------------------------
 
 
