@@ -171,6 +171,14 @@ class MeshPlan:
                     f"No mesh was compiled: the time budget of {self.time_budget:g} s was spent "
                     f"before any of the {skipped} candidates; give more time_budget (or none)."
                 )
+            failed = [c for c in self.candidates if c.figures.status == "failed"]
+            if failed and not any(c.figures.status == "compiled" for c in self.candidates):
+                # Not a memory verdict: say what the compiler said rather than blame the budget.
+                return (
+                    f"No mesh was compiled: {len(failed)} of the candidates failed, so no figure "
+                    f"says which would fit. The first, {failed[0].label}: "
+                    f"{failed[0].figures.reason.splitlines()[0]}"
+                )
             compiled = [c for c in self.candidates if c.fits is False]
             closest = min((c.peak_bytes for c in compiled if c.peak_bytes), default=None)
             hint = f" (the smallest peak was {format_bytes(closest)})" if closest else ""

@@ -46,6 +46,7 @@ from flax_escale.planning import (
 )
 from flax_escale.planning import _plan as plan_module
 from flax_escale.planning import _workload as workload_module
+from flax_escale.planning._evaluate import Figures
 from flax_escale.planning._hlo import program_costs
 
 AXES = ("fsdp", "tp")
@@ -1068,3 +1069,28 @@ def test_lower_programs_gives_the_state_bytes_of_the_fullest_device(cases):
 )
 def test_an_aborted_childs_last_words_are_the_compilers_own(stderr, words):
     assert plan_module._last_words(stderr) == words
+
+
+def test_a_plan_whose_every_compile_failed_says_so_rather_than_blame_memory():
+    refused = "the TPU compiler refused it: INTERNAL: RET_CHECK failure (net_util.cc:2295)\nmore"
+    figures = [
+        Figures({"dp": 1, "fsdp": 4, "ep": 1, "tp": 4, "sp": 1}, "failed", refused),
+        Figures({"dp": 16, "fsdp": 1, "ep": 1, "tp": 1, "sp": 1}, "pruned", "batch"),
+        Figures({"dp": 4, "fsdp": 1, "ep": 1, "tp": 4, "sp": 1}, "failed", "ended (SIGABRT)"),
+    ]
+    plan = MeshPlan.rank(
+        figures,
+        PROFILES["tpu-v5e"],
+        devices=16,
+        memory_bytes=16 * 2**30,
+        rules=None,
+        seconds=1.0,
+        time_budget=None,
+        backend="TPU compiler (libtpu), v5e:4x4",
+    )
+    assert plan.best is None
+    assert plan.recommendation() == (
+        "No mesh was compiled: 2 of the candidates failed, so no figure says which would fit. "
+        "The first, fsdp=4 tp=4: the TPU compiler refused it: INTERNAL: RET_CHECK failure "
+        "(net_util.cc:2295)"
+    )
