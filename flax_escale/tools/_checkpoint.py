@@ -15,7 +15,9 @@ inside each call, and the checkpoint is complete only once every process wrote i
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -39,25 +41,34 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
     previous checkpoint or the new one: :func:`restore_checkpoint` reads whichever is whole,
     and the next save clears what the interrupted one left.
 
+    Nothing but a checkpoint is ever replaced, and only the directories a save of
+    ``directory`` creates beside it (``<directory>.flax-escale-tmp``, its orbax temporary, and
+    ``<directory>.flax-escale-old``) are ever deleted; names ending like them are reserved.
+    Where the checkpoint could not be written or swapped in, the save is refused before
+    anything is written.
+
     Args:
-        directory: Where to write; must not exist unless ``force``.
+        directory: Where to write; must not exist unless ``force`` (its parents are created).
         tree: The arrays: a Flax ``TrainState``, ``nnx.state(model)``, any pytree.
-        force: Overwrite an existing checkpoint.
+        force: Overwrite an existing checkpoint (or an empty directory), and nothing else.
 
     Raises:
-        EscaleError: If ``directory`` exists and ``force`` is false.
+        EscaleError: If ``directory`` exists and ``force`` is false; if it is a file, or a
+            directory that holds something other than a checkpoint; if its name is reserved;
+            or if it cannot be written (a read-only or missing file system, a parent that is
+            a file) or replaced (a read-only checkpoint).
         EscaleTypeError: If ``directory`` is not a path, ``tree`` holds no array, or ``force``
             is not a bool.
     """
     path = os.path.abspath(check.path(directory, "directory"))
     check.tree_of_arrays(tree, "tree")
     force = check.flag(force, "force")
+    _refuse_reserved(path)
     _sync("flax_escale_save_start")  # every process has checked what is there before it changes
     if jax.process_index() == 0:
         _recover(path)
     _sync("flax_escale_save_recovered")
-    if os.path.exists(path) and not force:
-        raise EscaleError(f"checkpoint directory {path!r} exists; pass force=True to overwrite.")
+    _check_destination(path, force)
     tmp, old = path + _TMP, path + _OLD
     checkpointer = _orbax().StandardCheckpointer()
     with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
@@ -161,6 +172,7 @@ def _with_shardings(target: Any, shardings: Any) -> Any:
 _TMP = ".flax-escale-tmp"  # the new checkpoint while it is written
 _OLD = ".flax-escale-old"  # the previous one between the two renames of a swap
 _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own directory while it writes
+_PROBE = ".flax-escale-probe-"  # made and removed at once: is the destination writable?
 _MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 
 
@@ -170,14 +182,82 @@ def _sync(name: str) -> None:
 
 
 def _leftovers(path: str) -> list[str]:
-    """What interrupted saves of ``path`` left beside it: temporary and old directories."""
+    """What interrupted saves of ``path`` left beside it: the very directories a save makes."""
     parent, base = os.path.split(path)
     try:
         names = os.listdir(parent)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    prefixes = (base + _TMP, base + _OLD, base + _ORBAX_TMP)
-    return sorted(os.path.join(parent, n) for n in names if n.startswith(prefixes))
+    # Exactly the names a save makes: a sibling that merely begins like them is not ours.
+    ours = re.compile(
+        "|".join(
+            [
+                re.escape(base + _TMP),
+                re.escape(base + _OLD),
+                re.escape(base + _TMP + _ORBAX_TMP) + r"(-\d+)?",
+                re.escape(base + _PROBE) + r"[a-z0-9_]{8}",  # tempfile's random suffix
+            ]
+        )
+    )
+    return sorted(os.path.join(parent, n) for n in names if ours.fullmatch(n))
+
+
+def _refuse_reserved(path: str) -> None:
+    base = os.path.basename(path)
+    if base.endswith((_TMP, _OLD)) or _ORBAX_TMP in base:
+        raise EscaleError(
+            f"directory: {path!r} is named like the temporary directories a save makes "
+            f"(names ending in {_TMP!r} or {_OLD!r}, or holding {_ORBAX_TMP!r}), which the "
+            "next save beside it would delete; choose another name."
+        )
+
+
+def _check_destination(path: str, force: bool) -> None:
+    """Refuses, before anything is written, a save that could not end with a checkpoint."""
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise EscaleError(
+                f"directory: {path!r} is a file, not a checkpoint directory; save_checkpoint "
+                "writes a directory and never replaces a file: choose another path."
+            )
+        names = os.listdir(path)
+        if not force:
+            raise EscaleError(
+                f"checkpoint directory {path!r} exists; pass force=True to overwrite."
+            )
+        if names and not any(marker in names for marker in _MARKERS):
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise EscaleError(
+                f"directory: {path!r} is not a checkpoint (it holds {shown}), and force=True "
+                "replaces only a checkpoint; choose another path, or move its contents away "
+                "yourself."
+            )
+        for folder, _, _ in os.walk(path):
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise EscaleError(
+                    f"directory: cannot replace the checkpoint {path!r}: {folder!r} is "
+                    "read-only, so the old checkpoint could not be deleted once the new one is "
+                    "in place; make it writable, or save elsewhere."
+                )
+    parent = os.path.dirname(path)
+    existing = parent
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise EscaleError(
+            f"directory: cannot write the checkpoint {path!r}: {existing!r} is a file, not a "
+            "directory; choose a path whose parents are directories."
+        )
+    try:
+        os.makedirs(parent, exist_ok=True)
+        # A directory made and removed: whether the new checkpoint can be written here at
+        # all, before orbax's writer threads start (on an error they never end).
+        os.rmdir(tempfile.mkdtemp(prefix=os.path.basename(path) + _PROBE, dir=parent))
+    except OSError as error:
+        raise EscaleError(
+            f"directory: cannot write the checkpoint {path!r}: {error.strerror or error} "
+            f"({error.filename or parent!r}); give a directory on a writable file system."
+        ) from None
 
 
 def _recover(path: str) -> None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +210,9 @@ def _no_metadata(d):
 
 
 def _orbax_leftover(d):
-    fe.save_checkpoint(d, small_tree())
+    # A whole checkpoint under a name only a save's temporary directories have.
+    fe.save_checkpoint(d.parent / "whole", small_tree())
+    os.rename(d.parent / "whole", d)
 
 
 @pytest.mark.parametrize(
@@ -295,3 +298,150 @@ def test_cast_true_converts(tmp_path, dtype):
     restored = fe.restore_checkpoint(tmp_path / "c", _like(tree, dtype=dtype), cast=True)["w"]
     assert restored.dtype == dtype
     np.testing.assert_array_equal(np.asarray(restored), np.asarray(tree["w"]).astype(dtype))
+
+
+# --- nothing the library did not create is replaced or deleted ------------------------------
+
+
+def _files(root):
+    return sorted(
+        (str(file.relative_to(root)), file.read_bytes())
+        for file in Path(root).rglob("*")
+        if file.is_file()
+    )
+
+
+def test_force_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.txt").write_text("my notes")
+    (project / "src" / "train.py").write_text("print('train')")
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: {str(project)!r} is not a checkpoint (it holds notes.txt, src), and "
+            "force=True replaces only a checkpoint"
+        ),
+    ):
+        fe.save_checkpoint(project, small_tree(), force=True)
+    assert _files(project) == [("notes.txt", b"my notes"), ("src/train.py", b"print('train')")]
+    assert sorted(os.listdir(tmp_path)) == ["project"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_file_is_never_replaced(tmp_path, force):
+    target = tmp_path / "weights.bin"
+    target.write_text("the user's file")
+    with pytest.raises(
+        fe.EscaleError, match=re.escape(f"directory: {str(target)!r} is a file, not a checkpoint")
+    ):
+        fe.save_checkpoint(target, small_tree(), force=force)
+    assert target.read_text() == "the user's file"
+    assert sorted(os.listdir(tmp_path)) == ["weights.bin"]
+
+
+def test_force_replaces_an_empty_directory(tmp_path):
+    (tmp_path / "c").mkdir()
+    fe.save_checkpoint(tmp_path / "c", small_tree(), force=True)
+    assert restored_value(tmp_path / "c", small_tree()) == 0.0
+
+
+def test_only_the_directories_a_save_makes_are_deleted_beside_it(tmp_path):
+    siblings = [
+        "c.flax-escale-old-backup",
+        "c.flax-escale-tmp2",
+        "c.orbax-checkpoint-tmp-mine",
+        "c.flax-escale-tmp.orbax-checkpoint-tmp-notes",
+        "c.flax-escale-probe-mine",
+    ]
+    for name in siblings:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(name)
+    fe.save_checkpoint(tmp_path / "c", small_tree())
+    # What interrupted saves of c leave, which the next save deletes.
+    ours = ["c.flax-escale-tmp", "c.flax-escale-tmp.orbax-checkpoint-tmp-1795", "c.flax-escale-old"]
+    for name in ours:
+        (tmp_path / name).mkdir()
+    fe.save_checkpoint(tmp_path / "c", small_tree(), force=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(["c", *siblings])
+    for name in siblings:
+        assert (tmp_path / name / "keep.txt").read_text() == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "c.flax-escale-tmp",
+        "c.flax-escale-old",
+        "c.orbax-checkpoint-tmp-17",
+        "x.orbax-checkpoint-tmp",
+    ],
+)
+def test_names_of_a_saves_temporary_directories_are_refused(tmp_path, name):
+    with pytest.raises(
+        fe.EscaleError, match=r"is named like the temporary directories a save makes .* choose"
+    ):
+        fe.save_checkpoint(tmp_path / name, small_tree())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_parent_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    path = tmp_path / "file.txt" / "ckpt"
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: cannot write the checkpoint {str(path)!r}: "
+            f"{str(tmp_path / 'file.txt')!r} is a file, not a directory"
+        ),
+    ):
+        fe.save_checkpoint(path, small_tree())
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]
+
+
+def test_a_read_only_checkpoint_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from flax_escale.tools import _checkpoint
+
+    path = tmp_path / "c"
+    fe.save_checkpoint(path, small_tree())
+    before = _files(path)
+    # As for a user without root: this suite may run as root, whom permission bits never stop.
+    monkeypatch.setattr(_checkpoint.os, "access", lambda p, mode: os.fspath(p) != str(path))
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: cannot replace the checkpoint {str(path)!r}: {str(path)!r} is read-only"
+        ),
+    ):
+        fe.save_checkpoint(path, jax.tree.map(lambda a: a + 1, small_tree()), force=True)
+    monkeypatch.undo()
+    assert _files(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert restored_value(path, small_tree()) == 0.0
+
+
+UNWRITABLE = textwrap.dedent(
+    """
+    import jax, numpy as np
+    import flax_escale as fe
+
+    try:
+        fe.save_checkpoint("/proc/flax_escale_nowhere/ckpt", {"w": jax.numpy.ones((4,))})
+    except fe.EscaleError as error:
+        print(type(error).__name__, error)
+    """
+)
+
+
+def test_an_unwritable_destination_is_a_clear_error_and_the_process_still_exits(tmp_path):
+    script = tmp_path / "unwritable.py"
+    script.write_text(UNWRITABLE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "EscaleError directory: cannot write the checkpoint '/proc/flax_escale_nowhere/ckpt': "
+    ), done.stdout
+    assert "give a directory on a writable file system" in done.stdout
