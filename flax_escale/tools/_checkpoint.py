@@ -26,9 +26,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
-from flax_escale.errors import EscaleError, MeshError
+from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import peer_loss_as_mesh_error
-from flax_escale.plan._paths import is_box
+from flax_escale.plan._paths import is_box, path_of
 
 __all__ = ["restore_checkpoint", "save_checkpoint"]
 
@@ -57,12 +57,15 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
             directory that holds something other than a checkpoint; if its name is reserved;
             or if it cannot be written (a read-only or missing file system, a parent that is
             a file) or replaced (a read-only checkpoint).
-        EscaleTypeError: If ``directory`` is not a path, ``tree`` holds no array, or ``force``
-            is not a bool.
+            If writing fails (a full disk, say), or an array of ``tree`` was deleted (donated
+            to a jitted step).
+        EscaleTypeError: If ``directory`` is not a path, ``tree`` holds no array or an
+            abstract one (``jax.ShapeDtypeStruct``), or ``force`` is not a bool.
     """
     path = os.path.abspath(check.path(directory, "directory"))
     check.tree_of_arrays(tree, "tree")
     force = check.flag(force, "force")
+    _check_savable(tree)
     _refuse_reserved(path)
     _sync("flax_escale_save_start")  # every process has checked what is there before it changes
     if jax.process_index() == 0:
@@ -71,10 +74,20 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
     _check_destination(path, force)
     tmp, old = path + _TMP, path + _OLD
     checkpointer = _orbax().StandardCheckpointer()
-    with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
-        checkpointer.save(tmp, tree, force=True)
-        checkpointer.wait_until_finished()
-        _sync("flax_escale_save_written")  # the new checkpoint is complete on every process
+    try:
+        with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
+            checkpointer.save(tmp, tree, force=True)
+            checkpointer.wait_until_finished()
+            _sync("flax_escale_save_written")  # the new checkpoint is complete on every process
+    except MeshError:  # a lost peer process, said as such
+        raise
+    except Exception as err:  # orbax and tensorstore raise bare exceptions (a full disk, say)
+        first = (str(err).strip().splitlines() or [""])[0][:240]
+        raise EscaleError(
+            f"could not write the checkpoint {path!r}: {type(err).__name__}: {first}. Nothing "
+            f"was swapped in: the previous checkpoint there, if any, is whole (the next save "
+            f"deletes the partial {os.path.basename(tmp)!r})."
+        ) from None
     if jax.process_index() == 0:
         if os.path.exists(path):
             os.rename(path, old)
@@ -200,6 +213,28 @@ def _leftovers(path: str) -> list[str]:
         )
     )
     return sorted(os.path.join(parent, n) for n in names if ours.fullmatch(n))
+
+
+def _check_savable(tree: Any) -> None:
+    """Refuses a tree with nothing to save, or whose arrays hold no values to save."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not leaves:
+        raise EscaleTypeError(
+            f"tree: {check.describe(tree)} holds no array, so nothing would be saved; pass the "
+            "state itself (a TrainState, nnx.state(model), a dict of arrays)."
+        )
+    for key_path, leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise EscaleTypeError(
+                f"tree: the leaf {path_of(key_path)!r} is a jax.ShapeDtypeStruct {leaf.dtype}"
+                f"{list(leaf.shape)}, which holds no values; save the arrays themselves (the "
+                "state init_train_state or a step returns, not jax.eval_shape of it)."
+            )
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise EscaleError(
+                f"tree: the array at {path_of(key_path)!r} was deleted (donated to a jitted step, "
+                "which reuses its memory); save the state the step returned instead."
+            )
 
 
 def _refuse_reserved(path: str) -> None:

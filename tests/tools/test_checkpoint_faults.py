@@ -445,3 +445,54 @@ def test_an_unwritable_destination_is_a_clear_error_and_the_process_still_exits(
         "EscaleError directory: cannot write the checkpoint '/proc/flax_escale_nowhere/ckpt': "
     ), done.stdout
     assert "give a directory on a writable file system" in done.stdout
+
+
+def test_a_failed_write_is_a_clear_error_and_the_old_checkpoint_stays(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "c"
+    fe.save_checkpoint(path, small_tree())
+
+    def full_disk(self, *args, **kwargs):
+        raise ValueError("OUT_OF_RANGE: Error writing local file: No space left on device")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"could not write the checkpoint {str(path)!r}: ValueError: OUT_OF_RANGE: Error "
+            "writing local file: No space left on device. Nothing was swapped in"
+        ),
+    ) as info:
+        fe.save_checkpoint(path, jax.tree.map(lambda a: a + 1, small_tree()), force=True)
+    assert info.value.__cause__ is None
+    monkeypatch.undo()
+    assert restored_value(path, small_tree()) == 0.0
+
+
+def _deleted(tree):
+    tree["w"].delete()
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("tree", "error", "message"),
+    [
+        (dict, fe.EscaleTypeError, "tree: dict {} holds no array, so nothing would be saved"),
+        (
+            lambda: {"p": {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32)}},
+            fe.EscaleTypeError,
+            "tree: the leaf 'p/w' is a jax.ShapeDtypeStruct float32[8, 2], which holds no values",
+        ),
+        (
+            lambda: _deleted(small_tree()),
+            fe.EscaleError,
+            "tree: the array at 'w' was deleted (donated to a jitted step",
+        ),
+    ],
+    ids=["empty", "abstract", "donated"],
+)
+def test_a_tree_without_values_to_save_is_refused(tmp_path, tree, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fe.save_checkpoint(tmp_path / "c", tree())
+    assert os.listdir(tmp_path) == []
