@@ -14,6 +14,7 @@ inside each call, and the checkpoint is complete only once every process wrote i
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import peer_loss_as_mesh_error
 from flax_escale.plan._paths import is_box, path_of
@@ -156,12 +158,19 @@ def restore_checkpoint(
     except Exception as err:  # orbax and tensorstore raise bare exceptions
         raise EscaleError(_damaged(path, err)) from None
     _check_against_saved(path, abstract, saved, cast=cast)
+    _check_divisible(path, abstract)
     try:
         with peer_loss_as_mesh_error(f"restoring the checkpoint {path!r}"):
             return checkpointer.restore(path, abstract)
     except MeshError:  # a lost peer process, not a damaged checkpoint
         raise
     except Exception as err:  # orbax and tensorstore raise bare exceptions
+        difference = _container_difference(abstract, saved)
+        if difference is not None:
+            raise EscaleError(
+                f"restore_checkpoint: the target's containers do not match the checkpoint at "
+                f"{path!r}: {difference}; restore into a tree of the kind that was saved."
+            ) from None
         raise EscaleError(_damaged(path, err)) from None
 
 
@@ -346,16 +355,54 @@ def _damaged(path: str, err: BaseException) -> str:
     )
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _by_path(tree: Any) -> dict[str, Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in keys): leaf for keys, leaf in leaves}
+    return {path_of(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _container_difference(abstract: Any, saved: Any, where: str = "") -> str | None:
+    """Where the target's containers first differ from the saved ones, in words."""
+    kinds = [_container(x) for x in (abstract, saved)]
+    if kinds[0] is None or kinds[1] is None:
+        return None
+    (want_kind, want), (have_kind, have) = kinds
+    at = f"at {where!r}" if where else "at the top"
+    if want_kind != have_kind or list(want) != list(have):
+        return (
+            f"{at} the checkpoint holds a {have_kind} of {list(have)} where the target has a "
+            f"{want_kind} of {list(want)}"
+        )
+    for key in want:
+        found = _container_difference(want[key], have[key], f"{where}/{key}".lstrip("/"))
+        if found:
+            return found
+    return None
+
+
+def _container(node: Any) -> tuple[str, dict[str, Any]] | None:
+    # A list or tuple by position, anything else JAX flattens by key: (kind, children by key).
+    if isinstance(node, (list, tuple)):
+        return "list", {str(i): child for i, child in enumerate(node)}
+    if isinstance(node, dict):
+        return "dict", {str(k): child for k, child in node.items()}
+    return None
+
+
+def _check_divisible(path: str, abstract: Any) -> None:
+    """Names the first target leaf whose sharding splits a dimension unevenly."""
+    for name, leaf in _by_path(abstract).items():
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            continue
+        sizes = leaf.sharding.mesh.shape
+        for dim, entry in enumerate(leaf.sharding.spec):
+            parts = math.prod(sizes[a] for a in mesh_axes_of(entry))
+            if dim < len(leaf.shape) and leaf.shape[dim] % parts:
+                raise EscaleError(
+                    f"restore_checkpoint: the target leaf {name!r} ({_describe(leaf)}) has "
+                    f"the sharding {leaf.sharding.spec} on mesh {dict(sizes)}, which splits "
+                    f"dimension {dim} of size {leaf.shape[dim]} into {parts} parts; its "
+                    "arrays' sharded dimensions must divide evenly: give a spec that divides "
+                    f"it (flax_escale.resolve.fit_mesh_axes finds one) to restore {path!r}."
+                )
 
 
 def _describe(leaf: Any) -> str:

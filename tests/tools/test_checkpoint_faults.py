@@ -496,3 +496,33 @@ def test_a_tree_without_values_to_save_is_refused(tmp_path, tree, error, message
     with pytest.raises(error, match=re.escape(message)):
         fe.save_checkpoint(tmp_path / "c", tree())
     assert os.listdir(tmp_path) == []
+
+
+def test_a_list_restored_into_a_dict_says_which_container_differs(tmp_path):
+    w = small_tree()["w"]
+    fe.save_checkpoint(tmp_path / "c", {"layers": [w, w]})
+    target = {"layers": {"0": w, "1": w}}
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "at 'layers' the checkpoint holds a list of ['0', '1'] where the target has a dict "
+            "of ['0', '1']; restore into a tree of the kind that was saved"
+        ),
+    ):
+        fe.restore_checkpoint(tmp_path / "c", target)
+
+
+def test_a_target_sharding_that_does_not_divide_names_the_leaf_and_dimension(tmp_path):
+    fe.save_checkpoint(tmp_path / "c", {"w": jnp.ones((7, 2))})
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    target = {
+        "w": jax.ShapeDtypeStruct((7, 2), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    }
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "the target leaf 'w' (float32[7, 2]) has the sharding P('fsdp',) on mesh {'dp': 1, "
+            "'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1}, which splits dimension 0 of size 7 into 8 parts"
+        ),
+    ):
+        fe.restore_checkpoint(tmp_path / "c", target)
