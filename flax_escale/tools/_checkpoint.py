@@ -14,6 +14,7 @@ inside each call, and the checkpoint is complete only once every process wrote i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -31,6 +32,7 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import peer_loss_as_mesh_error
 from flax_escale.plan._paths import is_box, path_of
+from flax_escale.tools._checksum import ALGORITHM, checksums
 
 __all__ = ["restore_checkpoint", "save_checkpoint"]
 
@@ -78,8 +80,11 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
     checkpointer = _orbax().StandardCheckpointer()
     try:
         with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
+            sums = checksums(tree)  # every process: the arrays are global
             checkpointer.save(tmp, tree, force=True)
             checkpointer.wait_until_finished()
+            if jax.process_index() == 0:
+                _write_checksums(tmp, sums)
             _sync("flax_escale_save_written")  # the new checkpoint is complete on every process
     except MeshError:  # a lost peer process, said as such
         raise
@@ -161,8 +166,10 @@ def restore_checkpoint(
     _check_divisible(path, abstract)
     try:
         with peer_loss_as_mesh_error(f"restoring the checkpoint {path!r}"):
-            return checkpointer.restore(path, abstract)
-    except MeshError:  # a lost peer process, not a damaged checkpoint
+            restored = checkpointer.restore(path, abstract)
+            _verify_checksums(path, restored, skip=_converted(abstract, saved))
+            return restored
+    except (MeshError, EscaleError):  # a lost peer process, or data that is not what was saved
         raise
     except Exception as err:  # orbax and tensorstore raise bare exceptions
         difference = _container_difference(abstract, saved)
@@ -196,6 +203,7 @@ _OLD = ".flax-escale-old"  # the previous one between the two renames of a swap
 _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own directory while it writes
 _PROBE = ".flax-escale-probe-"  # made and removed at once: is the destination writable?
 _MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+_CHECKSUMS = "flax_escale_checksums.json"  # the saved arrays' checksums, by leaf path
 
 
 def _sync(name: str) -> None:
@@ -385,6 +393,53 @@ def _container(node: Any) -> tuple[str, dict[str, Any]] | None:
     if isinstance(node, dict):
         return "dict", {str(k): child for k, child in node.items()}
     return None
+
+
+def _write_checksums(directory: str, sums: dict[str, list[int] | None]) -> None:
+    with open(os.path.join(directory, _CHECKSUMS), "w") as file:
+        json.dump({"algorithm": ALGORITHM, "leaves": sums}, file)
+
+
+def _converted(abstract: Any, saved: Any) -> set[str]:
+    # The leaves cast converts (a converted leaf holds other bits than were saved).
+    stored = _by_path(saved)
+    return {
+        name
+        for name, want in _by_path(abstract).items()
+        if getattr(stored.get(name), "dtype", None) is not None
+        and hasattr(want, "dtype")
+        and np.dtype(stored[name].dtype) != np.dtype(want.dtype)
+    }
+
+
+def _verify_checksums(path: str, restored: Any, *, skip: set[str]) -> None:
+    """Names the leaves whose restored values are not the ones saved (when sums were kept)."""
+    try:
+        with open(os.path.join(path, _CHECKSUMS)) as file:
+            stored = json.load(file)
+    except FileNotFoundError:
+        return  # saved before checksums were kept, or by orbax directly: nothing to compare
+    except (OSError, ValueError) as err:
+        raise EscaleError(
+            f"restore_checkpoint: the checksums saved with {path!r} are unreadable ({err}); the "
+            "checkpoint's files were changed after the save: restore an earlier checkpoint."
+        ) from None
+    if not isinstance(stored, dict) or stored.get("algorithm") != ALGORITHM:
+        return  # another version's sums: not comparable
+    expected = stored.get("leaves") or {}
+    found = checksums(restored)
+    wrong = [
+        name
+        for name, sums in found.items()
+        if sums is not None and expected.get(name) not in (None, sums) and name not in skip
+    ]
+    if wrong:
+        raise EscaleError(
+            f"restore_checkpoint: the values restored for {wrong[:5]} from {path!r} differ "
+            "from the ones saved (their checksums do not match): the checkpoint's data files "
+            "were changed or damaged after the save (a flipped bit on disk, an incomplete "
+            "copy). Restore an earlier checkpoint."
+        )
 
 
 def _check_divisible(path: str, abstract: Any) -> None:
