@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from flax_escale import _checks as check
 from flax_escale import planning
 from flax_escale.errors import EscaleError
 from flax_escale.planning import PROFILES
@@ -136,6 +137,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.latency,
             memory_bytes_per_second=args.memory_bandwidth,
         )
+    if args.top is not None:
+        check.positive_int(args.top, "--top")
     # Wide enough for the table when the output is a log rather than a terminal.
     console = Console(width=None if sys.stdout.isatty() else 160)
     plan = planning.plan_mesh(

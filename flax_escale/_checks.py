@@ -288,15 +288,36 @@ def non_negative_number(value: Any, argument: str) -> float:
         EscaleTypeError: If ``value`` is not a number (``bool`` is not one).
         EscaleError: If it is negative, infinite or NaN.
     """
+    return _finite_number(value, argument, "of at least 0", lambda v: v >= 0)
+
+
+def positive_number(value: Any, argument: str) -> float:
+    """A finite int or float above 0.
+
+    Raises:
+        EscaleTypeError: If ``value`` is not a number (``bool`` is not one).
+        EscaleError: If it is 0, negative, infinite or NaN.
+
+    Example:
+        >>> from flax_escale._checks import positive_number
+        >>> positive_number(989e12, "flops_per_second")
+        989000000000000.0
+        >>> positive_number(float("nan"), "flops_per_second")
+        Traceback (most recent call last):
+        ...
+        flax_escale.errors.EscaleError: flops_per_second must be a finite number above 0, got nan.
+    """
+    return _finite_number(value, argument, "above 0", lambda v: v > 0)
+
+
+def _finite_number(value: Any, argument: str, what: str, within: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         hint = ""
         if isinstance(value, str):
             hint = "; pass a number such as 0.1, not a string"
-        raise EscaleTypeError(
-            f"{argument} must be a number of at least 0, got {describe(value)}{hint}."
-        )
-    if not (np.isfinite(value) and value >= 0):
-        raise EscaleError(f"{argument} must be a finite number of at least 0, got {value!r}.")
+        raise EscaleTypeError(f"{argument} must be a number {what}, got {describe(value)}{hint}.")
+    if not (np.isfinite(value) and within(value)):
+        raise EscaleError(f"{argument} must be a finite number {what}, got {value!r}.")
     return value
 
 

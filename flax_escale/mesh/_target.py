@@ -61,6 +61,10 @@ _SHAPES_3D = {
     2048: "8x16x16",
     4096: "16x16x16",
 }
+# Beyond this, simulating devices costs more memory and compile time than a plan is worth
+# (10**8 asked for takes gigabytes before anything is planned); a pod has its TPU target.
+_MAX_SIMULATED_DEVICES = 4096
+
 TPU_GENERATIONS: dict[str, _Generation] = {
     "v5p": _Generation(True, _SHAPES_3D, 95 * 10**9, "tpu-v5p"),
     "v5e": _Generation(False, _SHAPES_2D, 16 * 10**9, "tpu-v5e"),
@@ -217,6 +221,13 @@ class Target:
         if name == "cpu":
             if devices is None:
                 raise EscaleError("target 'cpu' simulates devices: pass devices=N as well.")
+            if devices > _MAX_SIMULATED_DEVICES:
+                raise EscaleError(
+                    f"target 'cpu': devices={devices} is more than the {_MAX_SIMULATED_DEVICES} "
+                    "devices one host simulates (each costs memory, and every compile grows "
+                    "with their count); plan a TPU slice with its own target (such as "
+                    "'v5p-1024'), or fewer devices."
+                )
             if slices != 1:
                 raise EscaleError("slices: simulated CPU devices form one slice; pass slices=1.")
             return cls("cpu", "cpu", devices)

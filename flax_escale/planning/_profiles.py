@@ -45,6 +45,7 @@ class HardwareProfile:
     memory_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
+        # Finite and positive: a NaN or an infinity would rank every mesh by NaN.
         for field in (
             "flops_per_second",
             "interconnect_bytes_per_second",
@@ -53,17 +54,11 @@ class HardwareProfile:
             value = getattr(self, field)
             if field == "memory_bytes_per_second" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise EscaleError(
-                    f"HardwareProfile {self.name!r}: {field} must be a positive number, got "
-                    f"{value!r}; pass the device's peak figure, such as 989e12 FLOP/s."
-                )
-        latency = self.collective_latency_seconds
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
-            raise EscaleError(
-                f"HardwareProfile {self.name!r}: collective_latency_seconds must be a number "
-                f">= 0, got {latency!r}."
-            )
+            check.positive_number(value, f"HardwareProfile {self.name!r}: {field}")
+        check.non_negative_number(
+            self.collective_latency_seconds,
+            f"HardwareProfile {self.name!r}: collective_latency_seconds",
+        )
         if self.memory_bytes is not None:
             check.positive_int(self.memory_bytes, "memory_bytes")
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from flax_escale import _checks as check
 from flax_escale.errors import MeshError
 from flax_escale.mesh._cluster import COORDINATOR_ADDRESS_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
@@ -98,13 +99,21 @@ def launch(
         signal N and every process still exited with 0.
 
     Raises:
-        MeshError: If ``command`` is empty or a count is not positive.
+        MeshError: If ``command`` is empty, a count is not positive or ``port`` is not a TCP
+            port.
+        EscaleError: If ``grace`` is negative, infinite or NaN.
     """
     if not command:
         raise MeshError("launch needs a command to run, e.g. [sys.executable, 'train.py'].")
     for name, value in (("processes", processes), ("devices_per_process", devices_per_process)):
         if not isinstance(value, int) or value < 1:
             raise MeshError(f"{name} must be a positive int, got {value!r}.")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise MeshError(f"port must be a TCP port, an int from 1 to 65535, got {port!r}.")
+    # A NaN grace would never end a stuck process's wait: finite, and at least 0.
+    grace = check.non_negative_number(grace, "grace")
     address = f"127.0.0.1:{port if port is not None else free_port()}"
     base = dict(os.environ if env is None else env)
     group = _Group(grace)

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import textwrap
+import time
 import warnings
 
 import flax.linen as nn
@@ -915,12 +916,22 @@ def test_hardware_profiles_check_their_numbers():
     assert hardware_profile("h100") is PROFILES["h100"]
     custom = HardwareProfile("mine", 1e12, 1e9, 1e-6, 2**30)
     assert hardware_profile(custom) is custom
-    with pytest.raises(fe.EscaleError, match="flops_per_second must be a positive number"):
+    with pytest.raises(fe.EscaleError, match="flops_per_second must be a finite number above 0"):
         HardwareProfile("zero", 0, 1e9)
-    with pytest.raises(fe.EscaleError, match="interconnect_bytes_per_second must be a positive"):
+    with pytest.raises(fe.EscaleTypeError, match="interconnect_bytes_per_second must be a number"):
         HardwareProfile("bool", 1e12, True)
-    with pytest.raises(fe.EscaleError, match="collective_latency_seconds must be a number >= 0"):
+    with pytest.raises(
+        fe.EscaleError, match="collective_latency_seconds must be a finite number of at least 0"
+    ):
         HardwareProfile("negative", 1e12, 1e9, -1.0)
+    # A NaN or an infinity would rank every mesh by NaN, and recommend one.
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(fe.EscaleError, match=r"'nan-or-inf': flops_per_second must be a fin"):
+            HardwareProfile("nan-or-inf", bad, 1e9)
+        with pytest.raises(fe.EscaleError, match="memory_bytes_per_second must be a finite"):
+            HardwareProfile("nan-or-inf", 1e12, 1e9, memory_bytes_per_second=bad)
+        with pytest.raises(fe.EscaleError, match="collective_latency_seconds must be a finite"):
+            HardwareProfile("nan-or-inf", 1e12, 1e9, bad)
     with pytest.raises(fe.EscaleError, match="memory_bytes must be a positive int"):
         HardwareProfile("memoryless", 1e12, 1e9, 0.0, 0)
 
@@ -1094,3 +1105,27 @@ def test_a_plan_whose_every_compile_failed_says_so_rather_than_blame_memory():
         "The first, fsdp=4 tp=4: the TPU compiler refused it: INTERNAL: RET_CHECK failure "
         "(net_util.cc:2295)"
     )
+
+
+def test_more_simulated_devices_than_a_host_can_hold_are_refused_up_front():
+    start = time.perf_counter()
+    with pytest.raises(
+        fe.EscaleError, match=r"target 'cpu': devices=100000000 is more than the 4096 devices"
+    ):
+        plan_mesh(module_level_workload, devices=10**8, memory="1GiB")
+    assert time.perf_counter() - start < 30  # refused before any child starts
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--top", "-2"], "--top must be a positive int, got -2"),
+        (["--flops", "nan", "--bandwidth", "1e9"], "flops_per_second must be a finite number"),
+        (["--flops", "1e12", "--bandwidth", "inf"], "bytes_per_second must be a finite number"),
+    ],
+    ids=["negative top", "nan flops", "infinite bandwidth"],
+)
+def test_the_command_lines_numbers_are_checked(argv, message, capsys):
+    code = main(["plan", f"{__name__}:module_level_workload", "--devices", "2", *argv])
+    assert code == 2
+    assert message in capsys.readouterr().err

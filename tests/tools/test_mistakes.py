@@ -3,9 +3,11 @@
 Cases for the report, the check and the estimate (``sharding_report``, ``check_sharded``,
 ``will_it_fit``), checkpoints (``save_checkpoint``, ``restore_checkpoint``) and the data helpers
 (``batch_sharding``, ``process_batch_slice``, ``host_local_to_global``,
-``global_to_host_local``). What a case asserts, and the rest of the table:
+``global_to_host_local``) and the launcher. What a case asserts, and the rest of the table:
 ``support/mistakes.py``.
 """
+
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -25,6 +27,7 @@ from support.mistakes import (
 )
 
 import flax_escale as fe
+from flax_escale.tools._launch import launch
 
 CASES = [
     # --- a wrong type where a mesh is expected ---------------------------------------------
@@ -411,6 +414,31 @@ CASES = [
         "0",
         "positive int",
         id="will_it_fit-device_bytes-zero",
+    ),
+    # --- the launcher's numbers: finite, in range ----------------------------------------------
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, grace=float("nan")),
+        fe.EscaleError,
+        "grace",
+        "nan",
+        "finite number of at least 0",
+        id="launch-grace-nan",
+    ),
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, grace=-3.0),
+        fe.EscaleError,
+        "grace",
+        "-3.0",
+        "finite number of at least 0",
+        id="launch-grace-negative",
+    ),
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, port=70000),
+        fe.MeshError,
+        "port",
+        "70000",
+        "from 1 to 65535",
+        id="launch-port-out-of-range",
     ),
 ]
 
