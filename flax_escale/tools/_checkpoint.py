@@ -118,8 +118,9 @@ def restore_checkpoint(
         shardings: A tree of ``NamedSharding`` shaped like ``target`` (for example
             ``plan.shardings()`` of a ``ShardingPlan``), or one ``NamedSharding`` for every
             leaf, that replaces the target's own shardings.
-        cast: Convert saved arrays whose dtype differs from the target's (float32 into
-            bfloat16, say); without it such a leaf is an error.
+        cast: Convert saved arrays whose dtype differs from the target's, within one kind
+            (float32 into bfloat16, say); without it such a leaf is an error, and a conversion
+            between kinds (float into int) always is.
 
     Returns:
         The restored tree, every array in its target sharding.
@@ -485,11 +486,29 @@ def _check_against_saved(path: str, abstract: Any, saved: Any, *, cast: bool) ->
                 f"but the target is {_describe(want)}; shapes must match."
             )
         have_dtype = getattr(have, "dtype", None)
-        if not cast and have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype):
+        if have_dtype is None or np.dtype(have_dtype) == np.dtype(want.dtype):
+            continue
+        if not cast:
             raise EscaleError(
                 f"restore_checkpoint: leaf {name!r} is saved as {_describe(have)} in {path!r} "
                 f"but the target is {_describe(want)}; pass cast=True to convert it."
             )
+        if _kind(have_dtype) != _kind(want.dtype):
+            raise EscaleError(
+                f"restore_checkpoint: leaf {name!r} is saved as {_describe(have)} in {path!r} "
+                f"and the target is {_describe(want)}: cast=True converts between types of "
+                f"one kind (float32 into bfloat16, int32 into int8), and {_kind(have_dtype)} "
+                f"into {_kind(want.dtype)} would change the values themselves (truncated, or "
+                "the imaginary part dropped); restore it as saved and convert it yourself."
+            )
+
+
+def _kind(dtype: Any) -> str:
+    # What cast may convert between: types of one kind (bfloat16 is numpy's "V" kind).
+    found = np.dtype(dtype)
+    if found.kind in "fV":
+        return "floating point"
+    return {"c": "complex", "b": "bool"}.get(found.kind, "integer")
 
 
 def _abstract(leaf: Any) -> Any:
