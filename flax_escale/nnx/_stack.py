@@ -9,6 +9,7 @@ so the same values (the README's benchmark B1 measures both).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,8 +45,9 @@ def stack_layers(
         The stacked module.
 
     Raises:
-        EscaleTypeError: If ``make`` is not callable, ``count`` not a positive int or ``rngs``
-            not an ``nnx.Rngs``.
+        EscaleTypeError: If ``make`` is not callable, does not take one argument or does not
+            return an ``nnx.Module``, ``count`` is not a positive int or ``rngs`` not an
+            ``nnx.Rngs``.
 
     Example:
         >>> from flax import nnx
@@ -65,10 +67,25 @@ def stack_layers(
     count = check.positive_int(count, "count")
     if not isinstance(rngs, nnx.Rngs):
         raise EscaleTypeError(f"rngs must be an nnx.Rngs, got {check.describe(rngs)}.")
+    try:
+        inspect.signature(make).bind(rngs)
+    except TypeError:
+        raise EscaleTypeError(
+            f"make must take one argument, the layer's nnx.Rngs, got {check.describe(make)}; "
+            "pass e.g. lambda rngs: Block(config, rngs=rngs)."
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        pass
 
     @nnx.split_rngs(splits=count)
     @nnx.scan(in_axes=(0,), out_axes=0, transform_metadata=stacked(name), length=count)
     def build(rngs: nnx.Rngs) -> M:
-        return make(rngs)
+        layer = make(rngs)
+        if not isinstance(layer, nnx.Module):
+            raise EscaleTypeError(
+                f"make must return one layer, an nnx.Module, got {check.describe(layer)}; "
+                "pass e.g. lambda rngs: Block(config, rngs=rngs)."
+            )
+        return layer
 
     return build(rngs)

@@ -81,7 +81,18 @@ def test_the_cpu_init_draws_one_layer_at_a_time(llama):
         ),
         ((lambda r: r, 0, "rngs"), fe.EscaleError, r"count .*0"),
         ((lambda r: r, 4, 0), fe.EscaleTypeError, r"rngs must be an nnx.Rngs, got int 0"),
+        (
+            (lambda rngs: 3, 4, "rngs"),
+            fe.EscaleTypeError,
+            r"make must return one layer, an nnx.Module, got int 3; pass e.g. lambda rngs",
+        ),
+        (
+            (lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 4, "rngs"),
+            fe.EscaleTypeError,
+            r"make must take one argument, the layer's nnx.Rngs, got function",
+        ),
     ],
+    ids=["not callable", "count 0", "rngs an int", "returns an int", "takes no rngs"],
 )
 def test_bad_arguments_are_refused(args, error, match):
     make, count, rngs = args
