@@ -17,6 +17,7 @@ from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import current_mesh
 from flax_escale.sharding import spec_from_shape, specs_from_regex
+from flax_escale.sharding._rules import checked_min_size
 
 __all__ = ["auto_partition_spec", "match_partition_rules"]
 
@@ -61,6 +62,7 @@ def match_partition_rules(
         P('fsdp', 'tp')
     """
     strict = check.flag(strict, "strict")
+    checked_min_size(min_size, "match_partition_rules: min_size")  # checked even when unused
     return specs_from_regex(rules, tree, min_size=min_size if strict else 0, strict=True)
 
 

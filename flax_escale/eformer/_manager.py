@@ -137,9 +137,20 @@ class PartitionManager:
 
         Returns:
             ``x``, constrained.
+
+        Raises:
+            EscaleError: If ``axes`` do not name every dimension of ``x``, or ``mode`` is
+                neither a mode name nor a dimension index of ``x``.
         """
-        rules = self._rules(mode, x.shape)
-        return constrain(x, self._names(axes), rules=rules, mesh=mesh, strict=not auto_correct)
+        names = self._names(axes)
+        shape = getattr(x, "shape", None)
+        if shape is not None and len(names) != len(shape):
+            raise EscaleError(
+                f"PartitionManager.shard: axes {names} name {len(names)} dimensions but x has "
+                f"shape {tuple(shape)}; give one logical name (or None) per dimension."
+            )
+        rules = self._rules(mode, shape)
+        return constrain(x, names, rules=rules, mesh=mesh, strict=not auto_correct)
 
     def _rules(self, mode: str | int, shape: Sequence[int] | None) -> LogicalRules:
         if isinstance(mode, int) and not isinstance(mode, bool):
@@ -147,6 +158,12 @@ class PartitionManager:
                 raise EscaleError(
                     f"PartitionManager: mode={mode} reads the size of dimension {mode}; pass "
                     "shape= (or a mode name: 'train', 'decode')."
+                )
+            if not -len(shape) <= mode < len(shape):
+                raise EscaleError(
+                    f"PartitionManager: mode={mode} names dimension {mode}, but the shape "
+                    f"{tuple(shape)} has {len(shape)}; pass a dimension index of x, or a mode "
+                    f"name ({', '.join(sorted(_MODES))})."
                 )
             return self.paxis.logical_axis_rules(generation=shape[mode] == 1)
         if mode not in _MODES:

@@ -91,7 +91,14 @@ def create_pattern_based_partition_spec(
                 f"pattern {pattern!r}: rule {rule!r} must be 'regex|regex->axis.axis'."
             )
         regexes, spec_text = (part.strip() for part in rule.split("->"))
-        entries = [None if e.strip() in ("None", "") else e.strip() for e in spec_text.split(".")]
+        texts = [e.strip() for e in spec_text.split(".")]
+        if "" in texts:
+            raise PartitionRuleError(
+                f"pattern {pattern!r}: rule {rule!r} has an empty mesh axis name in "
+                f"{spec_text!r}; write None for a dimension left unsharded (such as "
+                "'mlp->fsdp.None.tp')."
+            )
+        entries = [None if e == "None" else e for e in texts]
         spec = PartitionSpec(*entries)
         check_rule_spec(spec, f"pattern {pattern!r}: rule {rule!r}", mesh_shape)
         for regex in regexes.split("|"):

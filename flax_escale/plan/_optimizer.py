@@ -151,8 +151,8 @@ def follow_shardings(
         A tree of ``NamedSharding`` shaped like ``state`` (one entry per box).
 
     Raises:
-        EscaleError: If ``shard_over`` names an axis the mesh lacks, or a parameter is sharded
-            on another mesh.
+        EscaleError: If ``shard_over`` names an axis the mesh lacks or one twice, or a
+            parameter is sharded on another mesh.
 
     Example:
         >>> import jax.numpy as jnp
@@ -167,6 +167,12 @@ def follow_shardings(
         >>> s["mu"]["wi"]["kernel"].spec, s["count"].spec
         (P(('fsdp', 'dp'), None), P())
     """
+    repeated = sorted({a for a in shard_over if list(shard_over).count(a) > 1})
+    if repeated:
+        raise EscaleError(
+            f"shard_over: mesh axis {repeated[0]!r} is named {list(shard_over).count(repeated[0])}"
+            " times; name each axis once, such as shard_over=('dp',)."
+        )
     missing = [a for a in shard_over if a not in mesh.shape]
     if missing:
         raise EscaleError(

@@ -24,7 +24,7 @@ from flax_escale.errors import EscaleError, EscaleTypeError, ShardingCorrectionW
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve import Resolution, enforce, fit_spec
 
-__all__ = ["DEFAULT_MIN_SIZE", "PartitionRuleError", "specs_from_regex"]
+__all__ = ["DEFAULT_MIN_SIZE", "PartitionRuleError", "checked_min_size", "specs_from_regex"]
 
 Rules = Sequence[tuple[str, PartitionSpec]]
 
@@ -81,14 +81,7 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
         >>> specs["embed"]["embedding"], specs["wi"]["kernel"], specs["wi"]["bias"]
         (P('tp', 'fsdp'), P('fsdp', 'tp'), P())
     """
-    if min_size is None:
-        min_size = DEFAULT_MIN_SIZE
-    elif isinstance(min_size, bool) or not isinstance(min_size, numbers.Real):
-        raise EscaleTypeError(
-            f"specs_from_regex: min_size must be a number of elements or None "
-            f"(the default minimum, {DEFAULT_MIN_SIZE}), got {type(min_size).__name__} "
-            f"{min_size!r}."
-        )
+    min_size = checked_min_size(min_size, "specs_from_regex: min_size")
     rules = check.pairs(
         rules, "rules", "(regex, PartitionSpec)", "[('kernel$', PartitionSpec('fsdp', 'tp'))]"
     )
@@ -120,6 +113,23 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
 
 
 _REPLICATED = Resolution(None, PartitionSpec(), None, None, PartitionSpec())
+
+
+def checked_min_size(min_size: Any, argument: str) -> float:
+    """``min_size`` as a number of elements (``None``: :data:`DEFAULT_MIN_SIZE`).
+
+    Raises:
+        EscaleTypeError: If it is neither a number nor ``None``.
+        EscaleError: If it is negative, infinite or NaN.
+    """
+    if min_size is None:
+        return DEFAULT_MIN_SIZE
+    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Real):
+        raise EscaleTypeError(
+            f"{argument} must be a number of elements or None (the default minimum, "
+            f"{DEFAULT_MIN_SIZE}), got {type(min_size).__name__} {min_size!r}."
+        )
+    return check.non_negative_number(min_size, argument)
 
 
 def _spec_for(path: str, value: Any, compiled: tuple, min_size: int) -> Resolution | None:

@@ -312,6 +312,51 @@ CASES = [
         r"pass \('batch',\)",
         id="eformer-PartitionManager-shard-string",
     ),
+    # --- numbers and names that passed silently ------------------------------------------------
+    case(
+        lambda: fe.eformer.PartitionManager(fe.PartitionAxis()).shard(X, ["batch"]),
+        fe.EscaleError,
+        "axes",
+        "('batch',) name 1 dimensions but x has shape (8, 4)",
+        "one logical name \\(or None\\) per dimension",
+        id="eformer-PartitionManager-shard-too-few-names",
+    ),
+    case(
+        lambda: fe.eformer.PartitionManager(fe.PartitionAxis()).resolve(
+            ("batch", None), mode=5, shape=(8, 4)
+        ),
+        fe.EscaleError,
+        "mode=5",
+        "the shape (8, 4) has 2",
+        "a dimension index of x, or a mode name",
+        id="eformer-PartitionManager-mode-out-of-range",
+    ),
+    case(
+        lambda: fe.eformer.match_partition_rules([(".*", P())], params(), min_size=-1),
+        fe.EscaleError,
+        "min_size",
+        "-1",
+        "finite number of at least 0",
+        id="eformer-match_partition_rules-negative-min_size",
+    ),
+    case(
+        lambda: fe.eformer.match_partition_rules(
+            [(".*", P())], params(), min_size=-1, strict=False
+        ),
+        fe.EscaleError,
+        "min_size",
+        "-1",
+        "finite number of at least 0",
+        id="eformer-match_partition_rules-negative-min_size-unused",
+    ),
+    case(
+        lambda: fe.eformer.create_pattern_based_partition_spec("mlp->fsdp..tp"),
+        fe.EscaleError,
+        "'mlp->fsdp..tp'",
+        "empty mesh axis name in 'fsdp..tp'",
+        "write None for a dimension left unsharded",
+        id="eformer-pattern-empty-axis",
+    ),
     case(
         lambda: fe.eformer.MeshPartitionHelper(mesh5()).suggest_methods(1024),
         T,

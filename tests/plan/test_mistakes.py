@@ -42,6 +42,14 @@ CASES = [
         r"pass \('dp',\)",
         id="init_opt_state-shard_over-string",
     ),
+    case(
+        lambda: fe.init_opt_state(TX, params(), shard_over=("dp",) * 1000),
+        fe.EscaleError,
+        "shard_over",
+        "'dp' is named 1000 times",
+        r"name each axis once",
+        id="init_opt_state-shard_over-repeated",
+    ),
     # --- wrong entries inside a sequence of names ------------------------------------------
     case(
         lambda: fe.opt_state_shardings(TX, params(), shard_over=("dp", 1)),
