@@ -30,6 +30,7 @@ def main() -> int:
     if target.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", target.device_count)
 
+    from flax_escale.errors import EscaleError
     from flax_escale.planning._evaluate import Figures, evaluate
     from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
     from flax_escale.planning._profiles import HardwareProfile
@@ -37,21 +38,24 @@ def main() -> int:
     def report(event: dict[str, Any]) -> None:
         print(EVENT_PREFIX + json.dumps(event), flush=True)
 
-    workload = _build(request["workload"])
-    rules = frozen_rules(workload.rules)
-    report({"event": "rules", "rules": rules})
-    evaluate(
-        workload,
-        target,
-        memory_bytes=request["memory_bytes"],
-        profile=HardwareProfile(**request["profile"]),
-        exhaustive=request["exhaustive"],
-        axes=request["axes"],
-        time_budget=request["time_budget"],
-        cache_dir=Path(request["cache_dir"]) if request["cache_dir"] else None,
-        report=report,
-        known=[Figures.from_json(f) for f in request.get("known", ())],
-    )
+    try:
+        workload = _build(request["workload"])
+        report({"event": "rules", "rules": frozen_rules(workload.rules)})
+        evaluate(
+            workload,
+            target,
+            memory_bytes=request["memory_bytes"],
+            profile=HardwareProfile(**request["profile"]),
+            exhaustive=request["exhaustive"],
+            axes=request["axes"],
+            time_budget=request["time_budget"],
+            cache_dir=Path(request["cache_dir"]) if request["cache_dir"] else None,
+            report=report,
+            known=[Figures.from_json(f) for f in request.get("known", ())],
+        )
+    except EscaleError as error:  # one line for the caller to raise, not a traceback
+        report({"event": "error", "type": type(error).__name__, "message": str(error)})
+        return 2
     return 0
 
 

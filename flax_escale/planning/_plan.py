@@ -30,6 +30,7 @@ from rich.progress import (
 )
 
 from flax_escale import _checks as check
+from flax_escale import errors as error_types
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
@@ -219,6 +220,11 @@ def load_factory(reference: str) -> Factory:
             module = _module_from_file(Path(module_name))
         else:
             module = importlib.import_module(module_name)
+    except SyntaxError as error:
+        raise EscaleTypeError(
+            f"workload: {module_name!r} of {reference!r} has a syntax error: {error.msg} "
+            f"({error.filename}, line {error.lineno}); fix it, then plan again."
+        ) from error
     except (ImportError, OSError) as error:
         raise EscaleTypeError(
             f"workload: cannot import {module_name!r} of {reference!r} ({error}); run from the "
@@ -260,10 +266,24 @@ def _module_from_file(path: Path) -> Any:
 
 
 def _build(workload: Workload | Factory | str) -> Workload:
+    given = workload
     if isinstance(workload, str):
         workload = load_factory(workload)
     if callable(workload) and not isinstance(workload, Workload):
-        workload = workload()
+        factory = workload
+        try:
+            workload = factory()
+        except Exception as error:  # the user's function: said in one line, with its cause
+            name = given if isinstance(given, str) else getattr(factory, "__qualname__", factory)
+            raise EscaleError(
+                f"workload: the factory {name!r} raised {type(error).__name__}: {error}; it "
+                "must build the Workload when called without arguments."
+            ) from error
+        if not isinstance(workload, Workload):
+            raise EscaleTypeError(
+                f"workload: the factory {given!r} returned {check.describe(workload)}, not a "
+                "flax_escale.planning.Workload; return Workload(model, rng, batch, tx=...)."
+            )
     if not isinstance(workload, Workload):
         raise EscaleTypeError(
             f"workload must be a flax_escale.planning.Workload (or a function returning one), "
@@ -330,6 +350,7 @@ class _Events:
     def __init__(self, console: Console, shown: bool, devices: int, budget: float | None):
         self.found: dict[tuple[tuple[str, int], ...], Figures] = {}
         self.compiling: Figures | None = None  # handed to the compiler, not yet reported
+        self.error: dict[str, str] | None = None  # the library error that ended a child
         self.rules: Any = None
         budget_text = f", time budget {budget:g} s" if budget is not None else ""
         self.progress = Progress(
@@ -367,6 +388,8 @@ class _Events:
                 self.progress.update(self.task, advance=1, description=f"{label} done")
         elif event["event"] == "rules":
             self.rules = event["rules"]
+        elif event["event"] == "error":
+            self.error = event
 
     @property
     def figures(self) -> list[Figures]:
@@ -383,6 +406,12 @@ def _run_child(reference: str, request: dict[str, Any], events: _Events, console
         if code == 0:
             return
         failed, events.compiling = events.compiling, None
+        if events.error is not None:  # a library error, in the child as it would be here
+            kind = getattr(error_types, events.error["type"], EscaleError)
+            raise kind(
+                f"planning {request['target']['name']} for {reference!r} failed in the child "
+                f"process: {events.error['message']}"
+            )
         tail = "".join(errors[-20:]).strip()
         if code > 0 or failed is None:
             raise EscaleError(

@@ -704,6 +704,8 @@ def test_more_devices_than_this_process_has_are_planned_in_a_child(cases, monkey
 
 
 TINY_MODULE = """
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -727,7 +729,12 @@ def workload():
 
 
 def broken():
+    print("building the broken workload", file=sys.stderr)
     raise RuntimeError("the factory exploded, code 4417")
+
+
+def forty_two():
+    return 42
 """
 
 
@@ -758,12 +765,22 @@ def test_a_child_compiles_and_reports_its_failures(tmp_path, monkeypatch, capsys
         assert c.fits is True
     assert plan.best is plan.fitting[0]
 
+    capsys.readouterr()
     with pytest.raises(fe.EscaleError, match="failed in the child process") as error:
         plan_mesh("tiny_planned:broken", devices=16, memory="1MiB", cache=False)
-    assert "RuntimeError: the factory exploded, code 4417" in str(error.value)
+    assert str(error.value) == (
+        "planning cpu for 'tiny_planned:broken' failed in the child process: workload: the "
+        "factory 'tiny_planned:broken' raised RuntimeError: the factory exploded, code 4417; it "
+        "must build the Workload when called without arguments."
+    )
     assert not isinstance(error.value, TypeError)
-    # The child's standard error is passed on as it comes, too.
-    assert "the factory exploded, code 4417" in capsys.readouterr().err
+    # The child's standard error is passed on as it comes; a library error is one line, not
+    # the child's traceback.
+    err = capsys.readouterr().err
+    assert "building the broken workload" in err
+    assert "Traceback" not in err
+    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.planning"):
+        plan_mesh("tiny_planned:forty_two", devices=16, memory="1MiB", cache=False)
 
 
 DATACLASS_MODULE = """
@@ -1129,3 +1146,21 @@ def test_the_command_lines_numbers_are_checked(argv, message, capsys):
     code = main(["plan", f"{__name__}:module_level_workload", "--devices", "2", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_factory_that_fails_is_one_library_error_in_this_process(tmp_path):
+    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.planning"):
+        plan_mesh(lambda: 42, devices=2, memory="1GiB")
+
+    def needs_an_argument(width):
+        return tiny()
+
+    with pytest.raises(
+        fe.EscaleError, match=r"raised TypeError: .*needs_an_argument\(\) missing 1 required"
+    ) as error:
+        plan_mesh(needs_an_argument, devices=2, memory="1GiB")
+    assert isinstance(error.value.__cause__, TypeError)
+    broken = tmp_path / "planning_syntax_error_5519.py"
+    broken.write_text("def workload(:\n    pass\n")
+    with pytest.raises(fe.EscaleTypeError, match=r"has a syntax error: .*line 1\); fix it"):
+        plan_module.load_factory(f"{broken}:workload")
