@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
-from flax_escale.errors import EscaleTypeError
+from flax_escale import _checks as check
+from flax_escale.errors import EscaleError, EscaleTypeError
 
 __all__ = ["jit_train_step"]
 
@@ -47,7 +50,10 @@ def jit_train_step(
 
     Raises:
         EscaleTypeError: If a leaf of ``state`` is not an array with a sharding (a step of
-            ``0``, say, as ``TrainState.create`` makes it).
+            ``0``, say, as ``TrainState.create`` makes it), ``step_fn`` is not a function or
+            ``batch_sharding`` is a bare ``PartitionSpec``; when the step traces, if it does
+            not return a state shaped like ``state`` (and ``aux`` with ``has_aux``).
+        EscaleError: When the step is called with a state an earlier call was donated.
 
     Example:
         >>> import flax.linen as nn
@@ -71,13 +77,72 @@ def jit_train_step(
         >>> int(state.step), state.params["kernel"].sharding.spec
         (3, P(('fsdp', 'sp'), 'tp'))
     """
+    check.callable_(step_fn, "step_fn", "pass the function step_fn(state, batch)")
+    has_aux = check.flag(has_aux, "has_aux")
+    if isinstance(batch_sharding, PartitionSpec):
+        raise EscaleTypeError(
+            f"batch_sharding: {batch_sharding} is a PartitionSpec, which names no mesh; pass a "
+            "sharding, such as flax_escale.batch_sharding(mesh, batch.shape) or "
+            "NamedSharding(mesh, spec)."
+        )
     shardings = jax.tree_util.tree_map_with_path(_sharding_of, state)
-    return jax.jit(
-        step_fn,
+    structure = jax.tree.structure(state)
+
+    @functools.wraps(step_fn)  # named as the user's step in traces, profiles and HLO
+    def checked_step(state: Any, batch: Any) -> Any:
+        # What the step returns is checked while it traces, once per compilation.
+        result = step_fn(state, batch)
+        new_state = result[0] if has_aux and isinstance(result, tuple) else result
+        if has_aux and not (isinstance(result, tuple) and len(result) == 2):
+            raise EscaleTypeError(
+                f"jit_train_step: with has_aux=True, step_fn must return (new_state, aux), got "
+                f"{check.describe(result)}; return the pair, or pass has_aux=False."
+            )
+        if jax.tree.structure(new_state) != structure:
+            hint = (
+                " (a (new_state, aux) pair? pass has_aux=True)"
+                if not has_aux and isinstance(result, tuple) and len(result) == 2
+                else ""
+            )
+            raise EscaleTypeError(
+                "jit_train_step: step_fn must return a new state shaped like state"
+                f"{hint}, got {check.describe(new_state)}."
+            )
+        return result
+
+    jitted = jax.jit(
+        checked_step,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, None) if has_aux else shardings,
         donate_argnums=0,
     )
+    return _DonatingStep(jitted)
+
+
+class _DonatingStep:
+    """The jitted step, refusing a state whose buffers an earlier call took.
+
+    Calling a jitted function again on arrays it was donated crashes the interpreter in some
+    jaxlib versions; a stale state is the common way to do it (``step(state, batch)`` without
+    keeping what it returned). ``lower``, ``trace`` and the rest are the jitted function's.
+    """
+
+    def __init__(self, jitted: Any) -> None:
+        self._jitted = jitted
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise EscaleError(
+                    f"jit_train_step: state{jax.tree_util.keystr(path)} was donated to an "
+                    "earlier call of this step, which reused its memory for the state it "
+                    "returned; pass the state the last call returned: "
+                    "state, loss = step(state, batch)."
+                )
+        return self._jitted(state, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
 
 
 def _sharding_of(path: Any, leaf: Any) -> jax.sharding.Sharding:

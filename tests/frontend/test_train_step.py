@@ -5,6 +5,8 @@ that comes back an ``int32`` array) or sharding (a spec the compiler chose) comp
 program at the second step. Each test runs three steps and counts XLA compilations.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -195,3 +197,42 @@ def test_jit_train_step_needs_arrays_with_shardings(mesh, batch):
     state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
     with pytest.raises(fe.EscaleTypeError, match=r"state\.step is 0, not an array"):
         fel.jit_train_step(train_step, state.replace(step=0))
+
+
+def test_a_step_called_again_on_the_donated_state_is_refused_naming_it(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    step = fel.jit_train_step(train_step, state, has_aux=True)
+    new, _ = step(state, batch)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape("jit_train_step: state.step was donated to an earlier call of this step"),
+    ):
+        step(state, batch)  # the old state, whose buffers the first call took
+    newer, _ = step(new, batch)
+    assert int(newer.step) == 2
+
+
+@pytest.mark.parametrize(
+    ("make_step", "has_aux", "message"),
+    [
+        (lambda: lambda s, x: train_step(s, x)[0], True, r"must return \(new_state, aux\)"),
+        (lambda: train_step, False, r"shaped like state \(a \(new_state, aux\) pair\? pass has"),
+        (lambda: lambda s, x: (train_step(s, x)[1],), False, r"a new state shaped like state"),
+    ],
+    ids=["aux missing", "aux not declared", "no state"],
+)
+def test_a_step_that_returns_the_wrong_thing_says_what_it_returned(
+    mesh, batch, make_step, has_aux, message
+):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    step = fel.jit_train_step(make_step(), state, has_aux=has_aux)
+    with pytest.raises(fe.EscaleTypeError, match=message):
+        step(state, batch)
+
+
+def test_jit_train_step_refuses_what_is_not_a_step_or_a_sharding(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    with pytest.raises(fe.EscaleTypeError, match=r"step_fn must be a function, got the string"):
+        fel.jit_train_step("train_step", state)
+    with pytest.raises(fe.EscaleTypeError, match=r"batch_sharding: .* is a PartitionSpec"):
+        fel.jit_train_step(train_step, state, batch_sharding=P("dp"))
