@@ -18,6 +18,8 @@ from flax_escale.planning._profiles import HardwareProfile
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
 
+_OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # how XLA's compilers say a program needs more memory
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -172,8 +174,11 @@ class MeshPlan:
                     f"before any of the {skipped} candidates; give more time_budget (or none)."
                 )
             failed = [c for c in self.candidates if c.figures.status == "failed"]
-            if failed and not any(c.figures.status == "compiled" for c in self.candidates):
-                # Not a memory verdict: say what the compiler said rather than blame the budget.
+            # A compiler out of memory on the chip is a memory verdict; any other failure is
+            # not, and is said as the compiler said it rather than blamed on the budget.
+            refused = [c for c in failed if _OUT_OF_MEMORY not in c.figures.reason]
+            if refused and not any(c.figures.status == "compiled" for c in self.candidates):
+                failed = refused
                 return (
                     f"No mesh was compiled: {len(failed)} of the candidates failed, so no figure "
                     f"says which would fit. The first, {failed[0].label}: "
@@ -182,6 +187,8 @@ class MeshPlan:
             compiled = [c for c in self.candidates if c.fits is False]
             closest = min((c.peak_bytes for c in compiled if c.peak_bytes), default=None)
             hint = f" (the smallest peak was {format_bytes(closest)})" if closest else ""
+            if failed and not hint:
+                hint = f" (the compiler ran out of the chip's memory on all {len(failed)} compiled)"
             return (
                 f"No mesh of {self.devices} devices fits {format_bytes(self.memory_bytes)} per "
                 f"device{hint}: use more devices, a smaller batch, shard_over=('dp',) for the "

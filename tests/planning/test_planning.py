@@ -1164,3 +1164,28 @@ def test_a_factory_that_fails_is_one_library_error_in_this_process(tmp_path):
     broken.write_text("def workload(:\n    pass\n")
     with pytest.raises(fe.EscaleTypeError, match=r"has a syntax error: .*line 1\); fix it"):
         plan_module.load_factory(f"{broken}:workload")
+
+
+def test_a_plan_whose_every_compile_ran_out_of_memory_says_none_fits():
+    oom = (
+        "the TPU compiler refused it: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (62.69G) exceeds available HBM (15.75G)."
+    )
+    figures = [
+        Figures({"dp": 1, "fsdp": 16, "ep": 1, "tp": 1, "sp": 1}, "failed", oom),
+        Figures({"dp": 2, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}, "failed", oom),
+    ]
+    plan = MeshPlan.rank(
+        figures,
+        PROFILES["tpu-v5e"],
+        devices=16,
+        memory_bytes=16 * 10**9,
+        rules=None,
+        seconds=1.0,
+        time_budget=None,
+        backend="TPU compiler (libtpu), v5e:4x4",
+    )
+    assert plan.recommendation().startswith(
+        "No mesh of 16 devices fits 14.90 GiB per device (the compiler ran out of the chip's "
+        "memory on all 2 compiled): use more devices"
+    )

@@ -123,6 +123,10 @@ def test_an_nnx_plan_has_the_figures_of_the_programs_compiled_the_users_way(llam
     # The user's step: the example's own function, jitted as Flax recommends for a training
     # step (nnx.jit, the model and optimizer donated; nothing pins the outputs' shardings, so
     # the compiler lays out the new state itself, where the planner pins it to the old one's).
+    # The plan's figures are those of a donated step: the example's train_step as written
+    # (@nnx.jit, nothing donated) is another program, whose peak differs either way (higher by
+    # the state it cannot reuse on dp=2 fsdp=4, lower on dp=2 fsdp=2 tp=2, where the donated
+    # program needs more temporaries), so it is not compared here.
     donated_step = nnx.jit(llama.train_step.fun, donate_argnames=("model", "optimizer"))
     for candidate in compiled:
         mesh = target.mesh(candidate.dims)
@@ -138,19 +142,7 @@ def test_an_nnx_plan_has_the_figures_of_the_programs_compiled_the_users_way(llam
                 # nnx.jit's stages wrap JAX's: .compiled is the jax.stages.Compiled that
                 # will_it_fit and program_costs read (will_it_fit(nnx Compiled) would call it).
                 step = donated_step.lower(model, optimizer, batch).compile().compiled
-                as_written = llama.train_step.lower(model, optimizer, batch).compile().compiled
         assert _planned(candidate) == _figures(init, step), candidate.label
-        # The example's train_step as written (@nnx.jit, nothing donated) holds the old and the
-        # new state at once: the same program but for the aliasing, its peak higher by exactly
-        # the bytes the donated step reuses. The plan's step peak is the donated step's.
-        donated = fe.will_it_fit(step)
-        assert donated.alias_bytes > 0, candidate.label
-        assert fe.will_it_fit(as_written).alias_bytes == 0, candidate.label
-        assert (
-            fe.will_it_fit(as_written).peak_bytes
-            == candidate.figures.step_peak_bytes + donated.alias_bytes
-        ), candidate.label
-        assert program_costs(as_written).collectives == program_costs(step).collectives
 
 
 # --- Linen: the GPT example on 64 chips of a v5p-128 -------------------------------------------
