@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -19,10 +20,9 @@ from flax_escale.resolve import RulesLike, as_logical_rules
 __all__ = ["sharding_context", "use_sharding"]
 
 
-@contextlib.contextmanager
 def use_sharding(
     mesh: Mesh, rules: RulesLike = None, *, strict: bool = False
-) -> Iterator[LogicalRules]:
+) -> contextlib.AbstractContextManager[LogicalRules]:
     """Sets ``mesh`` as the current mesh and ``rules`` as Flax's logical-axis rules.
 
     Inside, activation constraints (:func:`~flax_escale.constrain`, Flax's own
@@ -38,14 +38,21 @@ def use_sharding(
     said once, on entering, with a :class:`~flax_escale.ShardingCorrectionWarning` naming the
     rules (with ``strict``, a :class:`~flax_escale.ShardingResolutionError`).
 
+    The rules are part of what ``jax.jit`` caches a trace under, as the mesh is: a function
+    jitted once and called under two rule sets (training, then decoding) is traced once for
+    each, so its constraints follow the rules in force. (Rules set with Flax's own
+    ``nn.logical_axis_rules`` alone are not: JAX reuses the first trace.) The context may be
+    entered again, nested or later, like JAX's own.
+
     Args:
         mesh: The mesh.
         rules: The rules (see :func:`~flax_escale.resolve.as_logical_rules`); a ``PartitionAxis`` is
             translated. Defaults to the rules already set, then to ``PartitionAxis()``'s.
         strict: Raise instead of warning when rules name mesh axes the mesh lacks.
 
-    Yields:
-        The rules, as ``(name, mesh axes)`` pairs (before sending absent axes to ``None``).
+    Returns:
+        The context; entering it gives the rules, as ``(name, mesh axes)`` pairs (before sending
+        absent axes to ``None``).
 
     Raises:
         ShardingResolutionError: With ``strict``, if rules name mesh axes the mesh lacks.
@@ -62,10 +69,25 @@ def use_sharding(
         >>> y.sharding.spec
         P('fsdp', 'tp')
     """
-    with sharding_context(
-        check.mesh(mesh), as_logical_rules(rules), strict=check.flag(strict, "strict")
-    ) as frozen:
-        yield frozen
+    mesh, frozen, strict = check.mesh(mesh), as_logical_rules(rules), check.flag(strict, "strict")
+    return _Reentrant(lambda: sharding_context(mesh, frozen, strict=strict))
+
+
+class _Reentrant(contextlib.AbstractContextManager):
+    """A context made afresh each time it is entered, so that one object can be entered again."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        context = self._make()
+        found = context.__enter__()
+        self._entered.append(context)
+        return found
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -87,5 +109,10 @@ def sharding_context(
             raise ShardingResolutionError(message + " (strict=True)")
         warnings.warn(message, ShardingCorrectionWarning, stacklevel=5)
     available = [(name, None if (name, target) in absent else target) for name, target in frozen]
-    with jax.set_mesh(mesh), nn.logical_axis_rules(available):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(available), _RULES_IN_FORCE(tuple(available)):
         yield frozen
+
+
+# What jax.jit keys its caches on besides its arguments: the rules in force, so that a trace
+# made under one rule set is not reused under another (JAX keys on the mesh, not on Flax's rules).
+_RULES_IN_FORCE = jax.make_user_context(None)

@@ -239,3 +239,29 @@ def test_flax_module_inside(devices):
     assert y.addressable_shards[0].data.shape == (2, 8)
     expected = np.asarray(x) @ np.asarray(variables["params"]["Dense_0"]["kernel"])
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis_types", AXIS_TYPES)
+def test_a_function_jitted_once_follows_the_rules_in_force_at_each_call(devices, axis_types):
+    mesh = _mesh(axis_types)
+    training = [("batch", "fsdp"), ("hidden_state", "tp")]
+    decoding = [("batch", None), ("hidden_state", "fsdp")]
+    step = jax.jit(lambda x: constrain(x, ("batch", "hidden_state")))
+    x = jnp.ones((8, 4))
+    specs = []
+    for rules in (training, decoding, training):
+        with use_sharding(mesh, rules):
+            specs.append(step(x).sharding.spec)
+    assert specs == [P("fsdp", "tp"), P(None, "fsdp"), P("fsdp", "tp")]
+
+
+def test_one_context_object_can_be_entered_again(devices):
+    mesh = _mesh()
+    context = use_sharding(mesh, RULES)
+    with context as outer:
+        with context as inner:
+            assert inner == outer == as_logical_rules(RULES)
+        assert nn.get_logical_axis_rules() != ()
+    with context:
+        assert jax.sharding.get_abstract_mesh().shape == mesh.shape
+    assert nn.get_logical_axis_rules() == ()
