@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from flax_escale import _checks as check
@@ -35,6 +36,7 @@ __all__ = [
     "ModelCall",
     "Request",
     "Traced",
+    "as_keys",
     "checked_call",
     "init",
     "lower",
@@ -60,6 +62,26 @@ class ModelCall:
     rng: Any
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def as_keys(rng: Any) -> Any:
+    """``rng`` with every int seed made a key (a dict of them by stream name, too).
+
+    Seeds become keys before tracing: ``nnx.Rngs`` cannot take a traced integer, and Linen's
+    ``init`` takes keys only.
+
+    Example:
+        >>> import jax
+        >>> from flax_escale._frontend._pipeline import as_keys
+        >>> keys = as_keys({"params": 0, "dropout": jax.random.key(1)})
+        >>> jax.random.key_data(keys["params"]).tolist() == jax.random.key_data(
+        ...     jax.random.key(0)).tolist()
+        True
+    """
+    if isinstance(rng, dict):
+        return {name: as_keys(seed) for name, seed in rng.items()}
+    is_seed = isinstance(rng, (int, np.integer)) and not isinstance(rng, bool)
+    return jax.random.key(int(rng)) if is_seed else rng
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,7 +126,7 @@ class LinenFrontEnd:
         """Checks that ``model`` is a Linen module and ``method`` one of its methods."""
         _check_model(model)
         _check_method(model, method)
-        return pipeline.ModelCall(model, rng, args, kwargs)
+        return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
 
     def trace(self, call: pipeline.ModelCall, mesh: Mesh, options: InitOptions) -> pipeline.Traced:
         """``jax.eval_shape`` of ``model.init`` with its boxes, under ``mesh`` and the rules."""

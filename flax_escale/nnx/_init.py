@@ -161,7 +161,7 @@ class NnxFrontEnd:
             raise EscaleTypeError(
                 f"model must be an NNX module class or a callable taking rngs=, got {model!r}."
             )
-        return pipeline.ModelCall(model, _as_keys(rng), args, kwargs)
+        return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
 
     def trace(
         self, call: pipeline.ModelCall, mesh: Mesh | None = None, options: Any = None
@@ -236,13 +236,6 @@ def _constructor(call: pipeline.ModelCall) -> Callable[[Any], nnx.Module]:
         return module
 
     return create
-
-
-def _as_keys(rng: Any) -> Any:
-    # Seeds become keys before tracing: nnx.Rngs cannot take a traced integer.
-    if isinstance(rng, dict):
-        return {name: _as_keys(seed) for name, seed in rng.items()}
-    return jax.random.key(rng) if isinstance(rng, int) else rng
 
 
 def _variables(module: nnx.Module) -> list[tuple[str, nnx.Variable]]:

@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
+from flax import nnx
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -130,6 +132,12 @@ def plan_mesh(
         EscaleTypeError: For arguments of the wrong type, or a workload the child process
             could not import.
     """
+    if isinstance(workload, (nn.Module, nnx.Module)):  # callable, but not a factory
+        raise EscaleTypeError(
+            f"workload: got the model {type(workload).__name__} itself; pass a "
+            "flax_escale.planning.Workload(model, rng, batch, tx=...), or a function without "
+            "arguments that returns one."
+        )
     chosen = Target.named(target, devices=devices, slices=slices)
     profile = hardware_profile(profile if profile is not None else chosen.profile or "h100")
     memory = next((m for m in (memory, chosen.memory_bytes, profile.memory_bytes) if m), None)
@@ -271,17 +279,17 @@ def _build(workload: Workload | Factory | str) -> Workload:
         workload = load_factory(workload)
     if callable(workload) and not isinstance(workload, Workload):
         factory = workload
+        name = given if isinstance(given, str) else getattr(factory, "__qualname__", factory)
         try:
             workload = factory()
         except Exception as error:  # the user's function: said in one line, with its cause
-            name = given if isinstance(given, str) else getattr(factory, "__qualname__", factory)
             raise EscaleError(
                 f"workload: the factory {name!r} raised {type(error).__name__}: {error}; it "
                 "must build the Workload when called without arguments."
             ) from error
         if not isinstance(workload, Workload):
             raise EscaleTypeError(
-                f"workload: the factory {given!r} returned {check.describe(workload)}, not a "
+                f"workload: the factory {name!r} returned {check.describe(workload)}, not a "
                 "flax_escale.planning.Workload; return Workload(model, rng, batch, tx=...)."
             )
     if not isinstance(workload, Workload):

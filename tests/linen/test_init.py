@@ -308,3 +308,13 @@ def test_values_are_bit_equal_on_auto_and_explicit_meshes(axis_types):
     expected = nn.unbox(jax.jit(model.init)(jax.random.key(3), x))["params"]["kernel"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert got.sharding.mesh == mesh
+
+
+@pytest.mark.parametrize("seed", [0, np.int64(0), {"params": 0}], ids=["int", "numpy", "dict"])
+def test_an_int_seed_is_the_key_it_names_as_for_nnx(seed):
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    x = jnp.ones((2, 8))
+    from_seed = fe.init_sharded(nn.Dense(4), mesh, seed, x)
+    from_key = fe.init_sharded(nn.Dense(4), mesh, jax.random.key(0), x)
+    for got, want in zip(jax.tree.leaves(from_seed), jax.tree.leaves(from_key), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

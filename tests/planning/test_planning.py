@@ -868,7 +868,9 @@ def test_a_workload_says_what_is_missing(cases):
         Workload(model, jax.random.key(0), (x,), tx=optax.sgd(0.1), step="train_step")
     with pytest.raises(fe.EscaleTypeError, match="args must be a tuple"):
         Workload(model, jax.random.key(0), x, tx=optax.sgd(0.1))
-    with pytest.raises(fe.EscaleTypeError, match=r"workload must be a flax_escale\.planning"):
+    with pytest.raises(
+        fe.EscaleTypeError, match=r"the factory '.*<lambda>' returned int 3, not a flax_escale"
+    ):
         plan_mesh(lambda: 3, devices=2, memory="1GiB")
     # Linen's batch defaults to its inputs.
     assert Workload(model, jax.random.key(0), (x,), tx=optax.sgd(0.1)).batch == (x,)
@@ -1189,3 +1191,9 @@ def test_a_plan_whose_every_compile_ran_out_of_memory_says_none_fits():
         "No mesh of 16 devices fits 14.90 GiB per device (the compiler ran out of the chip's "
         "memory on all 2 compiled): use more devices"
     )
+
+
+@pytest.mark.parametrize("devices", [2, 16], ids=["here", "in a child"])
+def test_a_model_given_for_a_workload_is_refused(devices):
+    with pytest.raises(fe.EscaleTypeError, match=r"got the model Dense itself; pass a flax_esc"):
+        plan_mesh(nn.Dense(4), devices=devices, memory="1GiB")
