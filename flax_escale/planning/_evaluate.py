@@ -32,9 +32,12 @@ from flax_escale.resolve import as_logical_rules
 from flax_escale.tools._data import batch_resolution
 from flax_escale.tools._memory import will_it_fit
 
-__all__ = ["Figures", "evaluate"]
+__all__ = ["TRACE_FAILURE", "Figures", "evaluate"]
 
 Report = Callable[[dict[str, Any]], None]
+
+TRACE_FAILURE = "could not trace the step: "
+"""How the reason of a mesh whose step did not trace begins."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +284,7 @@ def _compile(
             warnings.simplefilter("ignore", ShardingCorrectionWarning)  # already recorded
             programs = lower_programs(workload, kept.mesh, kept.plan)
     except EscaleError as error:
-        return kept.figures("failed", f"could not trace the step: {error}")
+        return kept.figures("failed", f"{TRACE_FAILURE}{error}")
     if programs.state_bytes > memory_bytes:
         return kept.figures(
             "state too large",

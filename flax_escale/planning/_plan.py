@@ -36,7 +36,7 @@ from flax_escale import errors as error_types
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
-from flax_escale.planning._evaluate import Figures, evaluate
+from flax_escale.planning._evaluate import TRACE_FAILURE, Figures, evaluate
 from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
 from flax_escale.planning._result import MeshPlan
 from flax_escale.planning._workload import Workload
@@ -183,6 +183,7 @@ def plan_mesh(
             built = None
             _run_child(_reference(workload), request, events, console)
             figures = events.figures
+    _raise_a_shared_failure(figures)
     return MeshPlan.rank(
         figures,
         profile,
@@ -193,6 +194,21 @@ def plan_mesh(
         time_budget=time_budget,
         backend=chosen.label,
     )
+
+
+def _raise_a_shared_failure(figures: Sequence[Figures]) -> None:
+    # Every mesh that was tried failing to trace is the workload's mistake (a batch_stats
+    # collection, a shard_over axis the mesh lacks), not a verdict on the meshes: it is raised
+    # as such rather than reported as "no mesh fits".
+    tried = [f for f in figures if f.status not in ("pruned", "skipped", "ruled out")]
+    if tried and all(f.status == "failed" and f.reason.startswith(TRACE_FAILURE) for f in tried):
+        first = tried[0]
+        label = " ".join(f"{a}={s}" for a, s in first.shape.items() if s > 1) or "one device"
+        raise EscaleError(
+            f"workload: the step traced on none of the {len(tried)} meshes tried, so the "
+            f"workload is at fault, not the meshes; on {label}: "
+            f"{first.reason[len(TRACE_FAILURE) :]}"
+        )
 
 
 def _in_this_process(target: Target, workload: Workload | Factory | str) -> bool:
@@ -348,6 +364,11 @@ def _cache_dir(cache: bool | str | os.PathLike[str]) -> Path | None:
     if cache is False:
         return None
     if isinstance(cache, (str, os.PathLike)):
+        if os.path.exists(cache) and not os.path.isdir(cache):
+            raise EscaleError(
+                f"cache: {os.fspath(cache)!r} is a file, not a directory; give a directory for "
+                "the compiled candidates' figures (it is created if missing), or cache=False."
+            )
         return Path(cache)
     raise EscaleTypeError(f"cache must be True, False or a directory, got {check.describe(cache)}.")
 

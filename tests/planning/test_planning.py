@@ -1197,3 +1197,42 @@ def test_a_plan_whose_every_compile_ran_out_of_memory_says_none_fits():
 def test_a_model_given_for_a_workload_is_refused(devices):
     with pytest.raises(fe.EscaleTypeError, match=r"got the model Dense itself; pass a flax_esc"):
         plan_mesh(nn.Dense(4), devices=devices, memory="1GiB")
+
+
+class _WithBatchStats(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+
+
+@pytest.mark.parametrize(
+    ("workload", "message"),
+    [
+        (
+            lambda: Workload(
+                _WithBatchStats(),
+                jax.random.key(0),
+                (jax.ShapeDtypeStruct((8, 16), jnp.float32),),
+                tx=optax.sgd(0.1),
+            ),
+            r"the step traced on none of the \d+ meshes tried, so the workload is at fault, "
+            r"not the meshes; on .*besides 'params'",
+        ),
+        (
+            lambda: tiny(shard_over=("nope",)),
+            r"the step traced on none of the \d+ meshes tried.*'nope' is not in the mesh",
+        ),
+    ],
+    ids=["batch_stats", "shard_over axis the mesh lacks"],
+)
+def test_a_workload_that_fails_on_every_mesh_alike_is_its_own_error(workload, message):
+    with pytest.raises(fe.EscaleError, match=message):
+        plan_mesh(workload(), devices=2, memory="1GiB", cache=False)
+
+
+def test_a_cache_path_that_is_a_file_is_refused(tmp_path):
+    file = tmp_path / "cache.txt"
+    file.write_text("not a directory")
+    with pytest.raises(fe.EscaleError, match=r"cache: '.*cache.txt' is a file, not a directory"):
+        plan_mesh(tiny(), devices=2, memory="1GiB", cache=file)
+    assert file.read_text() == "not a directory"
