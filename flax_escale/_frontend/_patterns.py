@@ -6,6 +6,7 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
+from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError, EscaleTypeError
 
 __all__ = ["AxesPatterns", "unused_pattern_note"]
@@ -37,7 +38,7 @@ class AxesPatterns:
     """
 
     owner: str
-    entries: tuple[tuple[str, re.Pattern[str], tuple[str | None, ...]], ...] = ()
+    entries: tuple[tuple[str, UserPattern, tuple[str | None, ...]], ...] = ()
 
     @classmethod
     def compile(
@@ -71,12 +72,12 @@ class AxesPatterns:
                     f"got {names!r}."
                 )
             try:
-                regex = re.compile(pattern)
+                compiled = UserPattern(pattern, owner)
             except re.error as error:
                 raise EscaleError(
                     f"{owner}: pattern {pattern!r} is not a valid regular expression: {error}."
                 ) from None
-            entries.append((pattern, regex, tuple(names)))
+            entries.append((pattern, compiled, tuple(names)))
         return cls(owner, tuple(entries))
 
     def then(self, fallback: AxesPatterns) -> AxesPatterns:
@@ -94,8 +95,8 @@ class AxesPatterns:
         # start at a component boundary (the user's regex is used as written, flags and all).
         parts = path.split("/")
         suffixes = ["/".join(parts[i:]) for i in range(len(parts))]
-        for pattern, regex, names in self.entries:
-            if any(regex.fullmatch(suffix) for suffix in suffixes):
+        for pattern, compiled, names in self.entries:
+            if any(compiled.fullmatch(suffix) for suffix in suffixes):
                 return pattern, names
         return None
 

@@ -108,7 +108,7 @@ def create_pattern_based_partition_spec(
     compiled = compile_rules(tuple(rules))
 
     def spec_of(path: str, array: Any) -> PartitionSpec:
-        chosen = next((spec for _, regex, spec in compiled if regex.search(path)), default)
+        chosen = next((spec for _, found, spec in compiled if found.search(path)), default)
         shape = getattr(array, "shape", None)
         if shape is None:
             return chosen

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._checks import describe
+from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError, EscaleTypeError, ShardingCorrectionWarning
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve import Resolution, enforce, fit_spec
@@ -136,8 +137,8 @@ def _spec_for(path: str, value: Any, compiled: tuple, min_size: int) -> Resoluti
     shape = getattr(value, "shape", None)
     if shape is None or len(shape) == 0 or int(np.prod(shape)) < min_size:
         return _REPLICATED
-    for _, regex, spec in compiled:
-        if regex.search(path):
+    for _, pattern, spec in compiled:
+        if pattern.search(path):
             return fitted_spec(spec, tuple(shape))
     return None
 
@@ -173,7 +174,7 @@ def compile_rules(rules: tuple[tuple[str, PartitionSpec], ...]) -> tuple:
     compiled = []
     for pattern, spec in rules:
         try:
-            compiled.append((pattern, re.compile(pattern), spec))
+            compiled.append((pattern, UserPattern(pattern, "rules"), spec))
         except re.error as error:
             raise PartitionRuleError(
                 f"rules: {pattern!r} is not a valid regex: {error}; fix the regex, or pass "

@@ -4,6 +4,7 @@ import pytest
 
 from flax_escale import EscaleError, EscaleTypeError
 from flax_escale._frontend import AxesPatterns
+from flax_escale._regex import UserPattern
 
 HM = ("hidden_state", "mlp_intermediate")
 MH = ("mlp_intermediate", "hidden_state")
@@ -18,7 +19,7 @@ def test_compile_keeps_owner_and_entries_in_order():
         ("kernel", MH),
         ("bias", ("mlp_intermediate",)),
     ]
-    assert all(isinstance(regex, re.Pattern) for _, regex, _ in p.entries)
+    assert all(isinstance(compiled, UserPattern) for _, compiled, _ in p.entries)
 
 
 def test_names_are_stored_as_tuples_with_none_kept():

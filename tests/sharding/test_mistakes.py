@@ -5,7 +5,13 @@ Cases for ``constrain``, ``with_sharding_constraint``, ``use_sharding``, ``resha
 and the rest of the table: ``support/mistakes.py``.
 """
 
+import re
+import time
+
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from support.mistakes import (
@@ -371,3 +377,45 @@ CASES = [
 @pytest.mark.parametrize(MISTAKE, CASES)
 def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
     raises_a_library_error(fn, exc, argument, shown, hint)
+
+
+# --- a user's regular expression that backtracks without end is bounded ---------------------
+
+SLOW = "(a|aa)+$"  # exponential in re on a path of a's that does not end in one
+LONG = "a" * 60 + "b"
+
+
+class _Named(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name=LONG)(x)
+
+
+def _slow_everywhere():
+    # (create_pattern_based_partition_spec compiles its regexes as these rules do; its syntax
+    # splits on "|", so the pattern cannot be written there.)
+    tree = {LONG: np.zeros((8, 8))}
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    return {
+        "match_partition_rules": lambda: fe.eformer.match_partition_rules([(SLOW, P())], tree),
+        "specs_from_regex": lambda: fes.specs_from_regex([(SLOW, P())], tree),
+        "overrides": lambda: fe.plan_sharding(
+            _Named(), mesh, jax.random.key(0), jnp.ones((2, 8)), overrides={SLOW: (None, None)}
+        ),
+        "sharded_module": lambda: fe.plan_sharding(
+            fe.sharded_module({SLOW: (None, None)})(type("Slow", (_Named,), {}))(),
+            mesh,
+            jax.random.key(0),
+            jnp.ones((2, 8)),
+        ),
+    }
+
+
+@pytest.mark.parametrize("surface", list(_slow_everywhere()))
+def test_a_pattern_that_backtracks_without_end_is_an_error_within_seconds(surface):
+    start = time.perf_counter()
+    with pytest.raises(
+        fe.EscaleError, match=re.escape(f"the pattern {SLOW!r} took over 1 s against")
+    ):
+        _slow_everywhere()[surface]()
+    assert time.perf_counter() - start < 30  # re alone takes minutes (2**60 paths)
