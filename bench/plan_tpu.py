@@ -13,7 +13,9 @@ compile), with an empty cache unless ``--cache`` is given:
   95 GB).
 - ``llama7b-v5p-128``: the NNX Llama of ``examples/nnx_llama.py`` at Llama-7B shapes, AdamW,
   64 sequences of 2,048 tokens, on v5p-128.
-- ``gpt2-v5e-256`` and ``llama7b-v5e-256``: the same on a v5e-256 slice (256 chips of 16 GB).
+- ``gpt2-v5e-256`` and ``llama7b-v5e-256``: the same on a v5e-256 slice (256 chips of 16 GB),
+  with 256 sequences (one per chip: 64 would leave every layout of 256 chips a tensor-parallel
+  axis of at least 4, the batch splitting at most 64 ways).
 
 Everything in float32 (the examples' type), no rematerialization; each plan is estimated on
 its chip's profile. For each it prints the plan's table (the first ``--top`` rows), how many
@@ -43,11 +45,11 @@ from rich.console import Console
 from flax_escale.plan._plan import format_bytes
 from flax_escale.planning import MeshPlan, plan_mesh
 
-PLANS = {
-    "gpt2-v5p-128": ("gpt2_124m", "v5p-128"),
-    "llama7b-v5p-128": ("llama_7b", "v5p-128"),
-    "gpt2-v5e-256": ("gpt2_124m", "v5e-256"),
-    "llama7b-v5e-256": ("llama_7b", "v5e-256"),
+PLANS = {  # name: (workload, target, global batch in sequences)
+    "gpt2-v5p-128": ("gpt2_124m", "v5p-128", 64),
+    "llama7b-v5p-128": ("llama_7b", "v5p-128", 64),
+    "gpt2-v5e-256": ("gpt2_124m", "v5e-256", 256),
+    "llama7b-v5e-256": ("llama_7b", "v5e-256", 256),
 }
 FACTORIES = {"gpt2_124m": gpt2_124m, "llama_7b": llama_7b}
 
@@ -119,8 +121,12 @@ def main() -> None:
     jax.config.update("jax_platforms", "cpu")  # the TPU is described, never started
     print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores")
     for name in args.plans.split(","):
-        factory, target = PLANS[name]
-        print(f"\n=== {name}: {factory} on {target} ===", flush=True)
+        factory, target, batch = PLANS[name]
+        # Read by plan_64's factories, here and in the processes that compile.
+        os.environ["PLAN64_GPT2_BATCH" if factory == "gpt2_124m" else "PLAN64_LLAMA_BATCH"] = (
+            str(batch)
+        )
+        print(f"\n=== {name}: {factory}, {batch} sequences, on {target} ===", flush=True)
         start = time.perf_counter()
         plan = plan_mesh(
             FACTORIES[factory],
