@@ -21,17 +21,33 @@ def _split_by_type(
     spec: PartitionSpec, mesh: Mesh | AbstractMesh, current: PartitionSpec
 ) -> tuple[list, list]:
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    kept = _kept_where_unconstrained(spec, current)
     explicit, auto = [], []
     for dim, entry in enumerate(spec):
         if entry is PartitionSpec.UNCONSTRAINED:
             # Left to the compiler on Auto axes; on Explicit axes it keeps what it has.
-            explicit.append(current[dim] if dim < len(current) else None)
+            explicit.append(kept[dim])
             auto.append(entry)
             continue
         axes = mesh_axes_of(entry)
         explicit.append(tuple(a for a in axes if types[a] == AxisType.Explicit) or None)
         auto.append(tuple(a for a in axes if types[a] != AxisType.Explicit) or None)
     return list(without_unit_explicit_axes(PartitionSpec(*explicit), mesh)), auto
+
+
+def _kept_where_unconstrained(spec: PartitionSpec, current: PartitionSpec) -> list[Any]:
+    # Per dimension, what an UNCONSTRAINED entry keeps of the array's current sharding: its
+    # axes, less those another entry of the spec takes (an axis shards one dimension only;
+    # P(UNCONSTRAINED, "fsdp") moves fsdp to the second dimension).
+    taken = {
+        a for entry in spec if entry is not PartitionSpec.UNCONSTRAINED for a in mesh_axes_of(entry)
+    }
+    kept = []
+    for dim in range(len(spec)):
+        axes = mesh_axes_of(current[dim]) if dim < len(current) else ()
+        left = tuple(a for a in axes if a not in taken)
+        kept.append(left[0] if len(left) == 1 else (left or None))
+    return kept
 
 
 def _current_spec(x: Any) -> PartitionSpec:
@@ -67,10 +83,9 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     spec = check.spec_on(mesh, spec, "spec")
     if isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
         current = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+        kept = _kept_where_unconstrained(spec, current)
         placed = [
-            (current[dim] if dim < len(current) else None)
-            if entry is PartitionSpec.UNCONSTRAINED
-            else entry
+            kept[dim] if entry is PartitionSpec.UNCONSTRAINED else entry
             for dim, entry in enumerate(spec)
         ]
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*placed)))

@@ -265,3 +265,19 @@ def test_one_context_object_can_be_entered_again(devices):
     with context:
         assert jax.sharding.get_abstract_mesh().shape == mesh.shape
     assert nn.get_logical_axis_rules() == ()
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["placed", "in jit"])
+def test_an_unconstrained_dimension_gives_up_the_axis_another_dimension_takes(devices, jitted):
+    from flax_escale import with_sharding_constraint
+
+    mesh = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
+    x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("fsdp")))
+
+    def move(a):
+        return with_sharding_constraint(a, P(P.UNCONSTRAINED, "fsdp"))
+
+    with use_sharding(mesh):
+        y = (jax.jit(move) if jitted else move)(x)
+    assert y.sharding.spec == P(None, "fsdp")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
