@@ -17,6 +17,7 @@ from flax_escale import (
     create_mesh,
     logical_to_mesh_axes,
     use_sharding,
+    with_sharding_constraint,
 )
 from flax_escale.resolve import as_logical_rules
 
@@ -269,8 +270,6 @@ def test_one_context_object_can_be_entered_again(devices):
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["placed", "in jit"])
 def test_an_unconstrained_dimension_gives_up_the_axis_another_dimension_takes(devices, jitted):
-    from flax_escale import with_sharding_constraint
-
     mesh = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
     x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("fsdp")))
 
