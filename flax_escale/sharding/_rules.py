@@ -90,6 +90,7 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
     strict = check.flag(strict, "strict")
     compiled = compile_rules(tuple((pat, as_rule_spec(spec, pat)) for pat, spec in rules))
     flat, treedef = flatten_with_paths(tree)
+    _refuse_ambiguous_paths([path for path, _, _ in flat])
     unmatched = []
     specs = []
     for path, value, _ in flat:
@@ -111,6 +112,19 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
             raise PartitionRuleError(message + ", or pass strict=False.")
         warnings.warn(message + ".", ShardingCorrectionWarning, stacklevel=2)
     return treedef.unflatten(specs)
+
+
+def _refuse_ambiguous_paths(paths: list[str]) -> None:
+    # A key holding "/" reads like nesting: {"a/b": x, "a": {"b": y}} gives two leaves one
+    # path, which no rule can tell apart.
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            raise PartitionRuleError(
+                f"tree: two arrays have the path {path!r} (a key holding '/' reads like "
+                "nesting), so no rule can tell them apart; rename the key that holds '/'."
+            )
+        seen.add(path)
 
 
 _REPLICATED = Resolution(None, PartitionSpec(), None, None, PartitionSpec())

@@ -419,3 +419,9 @@ def test_a_pattern_that_backtracks_without_end_is_an_error_within_seconds(surfac
     ):
         _slow_everywhere()[surface]()
     assert time.perf_counter() - start < 30  # re alone takes minutes (2**60 paths)
+
+
+def test_two_arrays_of_one_path_are_refused_rather_than_matched_alike():
+    tree = {"a/b": np.zeros((8, 8)), "a": {"b": np.ones((8, 8))}}
+    with pytest.raises(fe.EscaleError, match=r"two arrays have the path 'a/b' \(a key holding"):
+        fes.specs_from_regex([("a/b", P("fsdp")), (".*", P())], tree)
