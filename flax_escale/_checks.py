@@ -402,6 +402,39 @@ def named_sharding(value: Any, argument: str) -> NamedSharding:
     )
 
 
+def sharding_fits(sharding: NamedSharding, shape: Sequence[int], argument: str) -> None:
+    """Refuses a sharding whose spec is longer than ``shape`` or splits a dimension unevenly.
+
+    Raises:
+        EscaleError: Naming ``argument``, the spec, the shape and the mesh.
+
+    Example:
+        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale._checks import sharding_fits
+        >>> rows = NamedSharding(create_mesh((1, 8, 1, 1, 1)), PartitionSpec("fsdp"))
+        >>> sharding_fits(rows, (16, 4), "sharding")
+        >>> sharding_fits(rows, (12, 4), "sharding")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        flax_escale.errors.EscaleError: sharding: P('fsdp',) on mesh {...} splits dimension 0 ...
+    """
+    spec, sizes = sharding.spec, sharding.mesh.shape
+    where = f"{argument}: {spec} on mesh {dict(sizes)}"
+    if len(spec) > len(shape):
+        raise EscaleError(
+            f"{where} has {len(spec)} entries for the {len(shape)} dimensions of shape "
+            f"{tuple(shape)}; give at most one entry per dimension."
+        )
+    for dim, entry in enumerate(spec):
+        parts = int(np.prod([sizes[a] for a in mesh_axes_of(entry)]))
+        if shape[dim] % parts:
+            raise EscaleError(
+                f"{where} splits dimension {dim} of shape {tuple(shape)} into {parts} parts, "
+                "which do not divide it; give a spec whose mesh axes divide each dimension."
+            )
+
+
 def named_sharding_of(mesh: Any, spec: Any, argument: str) -> NamedSharding:
     """``NamedSharding(mesh, spec)``, with JAX's refusals of the spec as library errors.
 

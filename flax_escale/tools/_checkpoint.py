@@ -15,7 +15,6 @@ inside each call, and the checkpoint is complete only once every process wrote i
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -28,7 +27,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import peer_loss_as_mesh_error
 from flax_escale.plan._paths import is_box, path_of
@@ -444,21 +442,12 @@ def _verify_checksums(path: str, restored: Any, *, skip: set[str]) -> None:
 
 
 def _check_divisible(path: str, abstract: Any) -> None:
-    """Names the first target leaf whose sharding splits a dimension unevenly."""
+    """Names the first target leaf whose sharding does not fit its shape."""
     for name, leaf in _by_path(abstract).items():
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            continue
-        sizes = leaf.sharding.mesh.shape
-        for dim, entry in enumerate(leaf.sharding.spec):
-            parts = math.prod(sizes[a] for a in mesh_axes_of(entry))
-            if dim < len(leaf.shape) and leaf.shape[dim] % parts:
-                raise EscaleError(
-                    f"restore_checkpoint: the target leaf {name!r} ({_describe(leaf)}) has "
-                    f"the sharding {leaf.sharding.spec} on mesh {dict(sizes)}, which splits "
-                    f"dimension {dim} of size {leaf.shape[dim]} into {parts} parts; its "
-                    "arrays' sharded dimensions must divide evenly: give a spec that divides "
-                    f"it (flax_escale.resolve.fit_mesh_axes finds one) to restore {path!r}."
-                )
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            check.sharding_fits(
+                leaf.sharding, leaf.shape, f"restore_checkpoint: the target leaf {name!r}"
+            )
 
 
 def _describe(leaf: Any) -> str:

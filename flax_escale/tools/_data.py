@@ -109,8 +109,9 @@ def process_batch_slice(
 
     Raises:
         EscaleError: If those rows are not one contiguous range (the mesh interleaves processes
-            along the batch axes), so that a loader cannot read them as one slice, or if the
-            process has no devices in the mesh.
+            along the batch axes), so that a loader cannot read them as one slice, if the
+            process has no devices in the mesh, or if the sharding does not fit the shape (a
+            spec longer than it, or mesh axes that do not divide a dimension).
         EscaleTypeError: If ``sharding`` is not a ``NamedSharding`` (a bare ``PartitionSpec``
             has no mesh), or ``global_shape`` is not a tuple of ints.
 
@@ -127,6 +128,7 @@ def process_batch_slice(
             "global_shape must have a batch dimension, got (); pass the global batch's shape, "
             "e.g. (16, 128)."
         )
+    check.sharding_fits(sharding, global_shape, "sharding")
     if process_index is None:
         process = jax.process_index()
     else:

@@ -522,8 +522,8 @@ def test_a_target_sharding_that_does_not_divide_names_the_leaf_and_dimension(tmp
     with pytest.raises(
         fe.EscaleError,
         match=re.escape(
-            "the target leaf 'w' (float32[7, 2]) has the sharding P('fsdp',) on mesh {'dp': 1, "
-            "'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1}, which splits dimension 0 of size 7 into 8 parts"
+            "restore_checkpoint: the target leaf 'w': P('fsdp',) on mesh {'dp': 1, 'fsdp': 8, "
+            "'ep': 1, 'tp': 1, 'sp': 1} splits dimension 0 of shape (7, 2) into 8 parts"
         ),
     ):
         fe.restore_checkpoint(tmp_path / "c", target)

@@ -415,6 +415,23 @@ CASES = [
         "positive int",
         id="will_it_fit-device_bytes-zero",
     ),
+    # --- a batch sharding that does not fit the batch -----------------------------------------
+    case(
+        lambda: fe.process_batch_slice(NamedSharding(mesh5(), P("fsdp", None, None)), (16,)),
+        fe.EscaleError,
+        "sharding",
+        "has 3 entries for the 1 dimensions of shape (16,)",
+        "at most one entry per dimension",
+        id="process_batch_slice-spec-longer-than-shape",
+    ),
+    case(
+        lambda: fe.process_batch_slice(NamedSharding(mesh5(), P("fsdp")), (10,)),
+        fe.EscaleError,
+        "sharding",
+        "splits dimension 0 of shape (10,) into 4 parts",
+        "mesh axes divide each dimension",
+        id="process_batch_slice-indivisible",
+    ),
     # --- the launcher's numbers: finite, in range ----------------------------------------------
     case(
         lambda: launch([sys.executable, "-c", "pass"], processes=1, grace=float("nan")),
