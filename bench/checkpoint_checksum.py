@@ -2,11 +2,11 @@
 
 Run: ``python bench/checkpoint_checksum.py [rounds]`` (default 3) on 8 simulated CPU devices.
 
-``save_checkpoint`` computes a checksum of every array's values (two weighted sums of their
-bits, on the devices that hold them; :mod:`flax_escale.tools._checksum`) and stores it beside
-the data; ``restore_checkpoint`` recomputes it on the restored arrays and compares. The tree is
-1 GiB of float32 in 16 arrays of 64 MiB, split over ``fsdp=8`` and restored split over ``tp=8``
-(another layout, as after resizing a job). Each round times, in this order alternating, the
+``save_checkpoint`` computes a checksum of every array's values (a position-weighted sum of
+their bits, on the devices that hold them; :mod:`flax_escale.tools._checksum`) and stores it
+beside the data; ``restore_checkpoint`` recomputes it on the restored arrays and compares. The
+tree is 1 GiB of float32 in 16 arrays of 64 MiB, split over ``fsdp=8`` and restored split over
+``tp=8`` (another layout, as after resizing a job). Each round times, in alternating order, the
 checksums alone and the whole save (which includes them), then the whole restore (which
 includes them again): the ratio of the checksums' time to the call's is the share of the call
 they cost. The first checksum call compiles (once per tree structure and layout) and is

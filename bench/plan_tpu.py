@@ -123,8 +123,8 @@ def main() -> None:
     for name in args.plans.split(","):
         factory, target, batch = PLANS[name]
         # Read by plan_64's factories, here and in the processes that compile.
-        os.environ["PLAN64_GPT2_BATCH" if factory == "gpt2_124m" else "PLAN64_LLAMA_BATCH"] = (
-            str(batch)
+        os.environ["PLAN64_GPT2_BATCH" if factory == "gpt2_124m" else "PLAN64_LLAMA_BATCH"] = str(
+            batch
         )
         print(f"\n=== {name}: {factory}, {batch} sequences, on {target} ===", flush=True)
         start = time.perf_counter()

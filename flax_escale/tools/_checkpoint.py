@@ -394,7 +394,7 @@ def _container(node: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def _write_checksums(directory: str, sums: dict[str, list[int] | None]) -> None:
+def _write_checksums(directory: str, sums: dict[str, int | None]) -> None:
     with open(os.path.join(directory, _CHECKSUMS), "w") as file:
         json.dump({"algorithm": ALGORITHM, "leaves": sums}, file)
 

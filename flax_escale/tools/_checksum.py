@@ -2,14 +2,14 @@
 
 A checkpoint's files may change after it is saved (a flipped bit on disk, a partial copy) and
 orbax keeps no checksum of the data: a damaged chunk can restore as wrong numbers without a
-word. Each array's values are summarized by two weighted sums of their bits, computed on the
-devices that hold the array (one jitted program for the whole tree, so a sharded array is
-never gathered), and compared after a restore into any layout.
+word. Each array's values are summarized by a weighted sum of their bits, computed on the
+devices that hold the array (one jitted program for the whole tree, so a sharded array is never
+gathered), and compared after a restore into any layout.
 
 Every element's bits, as one ``uint32``, are multiplied by an odd weight that depends on its
 position and summed modulo 2**32: an odd weight is invertible modulo 2**32, so a change to any
-single element always changes the sum. A second sum, with other weights over the bits mixed,
-makes changes to several elements that cancel in the first unlikely to cancel in both.
+single element always changes the sum. Elements moved to other positions, or changes to several
+elements, leave it unchanged only by chance (about one in 2**32).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from flax_escale.plan._paths import path_of
 
 __all__ = ["ALGORITHM", "checksums"]
 
-ALGORITHM = "flax_escale-positional-u32x2-v1"
+ALGORITHM = "flax_escale-positional-u32-v2"
 """Names the sums below, stored with them: a reader of another algorithm ignores them."""
 
 
-def checksums(tree: Any) -> dict[str, list[int] | None]:
-    """Two ``uint32`` sums per array leaf of ``tree``, by its path (``None``: not summed).
+def checksums(tree: Any) -> dict[str, int | None]:
+    """A ``uint32`` sum per array leaf of ``tree``, by its path (``None``: not summed).
 
     Example:
         >>> import jax.numpy as jnp
@@ -41,32 +41,30 @@ def checksums(tree: Any) -> dict[str, list[int] | None]:
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     summed = {path_of(p): leaf for p, leaf in flat if _summable(getattr(leaf, "dtype", None))}
-    found = {path_of(key_path): None for key_path, _ in flat}
+    found: dict[str, int | None] = {path_of(key_path): None for key_path, _ in flat}
     if summed:
-        sums = jax.device_get(_sums(summed))
-        found.update({path: [int(s) for s in sums[path]] for path in summed})
+        found.update({path: int(s) for path, s in jax.device_get(_sums(summed)).items()})
     return found
 
 
 @jax.jit
 def _sums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {path: _two_sums(x) for path, x in arrays.items()}
+    return {path: _positional_sum(x) for path, x in arrays.items()}
 
 
-def _two_sums(x: jax.Array) -> jax.Array:
+# One odd multiplier per dimension (cycled past the fourth), so that positions mix.
+_DIMENSION_MIXERS = (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
+
+
+def _positional_sum(x: jax.Array) -> jax.Array:
     bits = _as_u32(x)
-    # Each element's position in row-major order, computed from per-dimension indices (a
-    # reshape of a sharded array would move data between devices; these broadcast in place).
-    position = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(bits.ndim)):
+    # A number per position from per-dimension indices (a reshape of a sharded array would
+    # move data between devices; these broadcast in place); doubled plus one, always odd.
+    mixed = jnp.zeros(bits.shape, jnp.uint32)
+    for dim in range(bits.ndim):
         index = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim)
-        position = position + index * jnp.uint32(stride & 0xFFFFFFFF)
-        stride *= bits.shape[dim]
-    first = jnp.sum(bits * (position * jnp.uint32(0x9E3779B2) + 1), dtype=jnp.uint32)
-    mixed = bits ^ (bits >> 15) ^ (bits << 11)
-    second = jnp.sum(mixed * (position * jnp.uint32(0x85EBCA6C) + 3), dtype=jnp.uint32)
-    return jnp.stack([first, second])
+        mixed = mixed + index * jnp.uint32(_DIMENSION_MIXERS[dim % len(_DIMENSION_MIXERS)])
+    return jnp.sum(bits * (mixed * jnp.uint32(2) + 1), dtype=jnp.uint32)
 
 
 def _as_u32(x: jax.Array) -> jax.Array:

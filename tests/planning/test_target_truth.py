@@ -10,7 +10,6 @@ for NNX, the train state's bytes on the device that holds the most.
 """
 
 import importlib.util
-import math
 
 import jax
 import jax.numpy as jnp
@@ -202,4 +201,3 @@ def test_a_64_chip_plan_has_the_figures_of_the_programs_compiled_the_users_way(t
         with fe.use_sharding(mesh, None):
             step = jitted.lower(state, batch).compile()
         assert _planned(candidate) == _figures(init, step), candidate.label
-        assert math.prod(candidate.dims) == 64
