@@ -62,6 +62,22 @@ class MemoryEstimate:
         )
 
 
+def _jax_stage(fn: Any) -> Any:
+    """JAX's own ``Lowered`` or ``Compiled`` inside a wrapper of one (``nnx.jit``'s), else ``fn``.
+
+    ``nnx.jit(f).lower(...)`` and its ``.compile()`` are Flax's objects around JAX's, which they
+    hold as ``.lowered`` and ``.compiled``; a wrapper is callable, so it would otherwise be taken
+    for a function to trace.
+    """
+    for attribute, stage in (("compiled", jax.stages.Compiled), ("lowered", jax.stages.Lowered)):
+        inner = getattr(fn, attribute, None)
+        if not isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)) and isinstance(
+            inner, stage
+        ):
+            return inner
+    return fn
+
+
 def will_it_fit(
     fn: Callable[..., Any] | jax.stages.Lowered | jax.stages.Compiled,
     *args: Any,
@@ -106,6 +122,7 @@ def will_it_fit(
         >>> estimate.argument_bytes, estimate.output_bytes, estimate.fits
         (131072, 131072, True)
     """
+    fn = _jax_stage(fn)
     if not isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
         check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
     if device_bytes is not None:

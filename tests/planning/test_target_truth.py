@@ -133,7 +133,7 @@ def test_an_nnx_plan_has_the_figures_of_the_programs_compiled_the_users_way(llam
         batch = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=sharding)
         with fe.use_sharding(mesh, None):
             # nnx.jit's stages wrap JAX's: .compiled is the jax.stages.Compiled that
-            # will_it_fit and program_costs read (will_it_fit(nnx Compiled) would call it).
+            # program_costs reads (will_it_fit unwraps it itself).
             step = donated_step.lower(model, optimizer, batch).compile().compiled
         assert _planned(candidate) == _figures(init, step), candidate.label
 

@@ -139,3 +139,13 @@ def test_will_it_fit_labels_an_init_with_its_temporaries_and_backend():
         estimate.temp_bytes
     )
     assert f"temporaries {format_bytes(estimate.temp_bytes)}" in str(estimate)
+
+
+def test_will_it_fit_reads_nnx_jits_stages_as_jaxs_own():
+    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    x = jnp.ones((8, 64))
+    lowered = nnx.jit(lambda m, x: m(x)).lower(model, x)
+    compiled = lowered.compile()
+    expected = fe.will_it_fit(compiled.compiled)
+    assert fe.will_it_fit(compiled) == expected
+    assert fe.will_it_fit(lowered).peak_bytes == expected.peak_bytes
