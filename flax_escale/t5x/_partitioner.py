@@ -10,6 +10,7 @@ uses :func:`~flax_escale.use_sharding` (``jax.set_mesh`` and Flax's rules).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules, PartitionAxis
-from flax_escale.errors import EscaleError, MeshError
+from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import assert_same_mesh
 from flax_escale.plan import ShardingPlan
 from flax_escale.plan._plan import USE_IDLE_AXES
@@ -55,7 +56,22 @@ class PartitionedFunction:
             return self.jitted(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """``jax.jit(...).lower`` under the mesh and rules."""
+        """``jax.jit(...).lower`` under the mesh and rules.
+
+        Raises:
+            EscaleTypeError: If the arguments do not fit the function's parameters.
+        """
+        try:
+            inspect.signature(self.jitted).bind(*args, **kwargs)
+        except TypeError as error:
+            name = getattr(self.jitted, "__name__", "the function")
+            raise EscaleTypeError(
+                f"PartitionedFunction: {name} cannot take {len(args)} positional and "
+                f"{len(kwargs)} keyword arguments ({error}); pass them as the function takes "
+                "them."
+            ) from None
+        except ValueError:  # no signature to read: the call says what is wrong
+            pass
         with use_sharding(self.mesh, self.rules):
             return self.jitted.lower(*args, **kwargs)
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from flax_escale import _checks as check
 from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._pipeline import plan_variables
 from flax_escale.axes import LogicalRules
@@ -125,6 +126,13 @@ class StatePartitioning:
         Returns:
             The state, every array a ``jax.Array`` in its sharding.
         """
+        check.structure_like(
+            train_state_axes,
+            train_state,
+            "move_params_to_devices: train_state_axes",
+            "train_state",
+            is_leaf=lambda x: x is None,
+        )
         shard_fns, _ = make_shard_and_gather_fns(train_state_axes, self.mesh)
         return jax.tree.map(lambda fn, x: jax.tree.map(fn, x), shard_fns, train_state)
 

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from support.mistakes import (
     MISTAKE,
     T,
+    X,
     case,
     mesh5,
     mesh_dp_tp,
@@ -333,6 +334,22 @@ CASES = [
         "'params'",
         "not its name",
         id="t5x-move_params_to_devices-string",
+    ),
+    case(
+        lambda: partitioner().move_params_to_devices({"w": X}, {"v": P("fsdp")}),
+        fe.EscaleError,
+        "train_state_axes",
+        "{'v': P('fsdp',)}",
+        "shaped like train_state",
+        id="t5x-move_params_to_devices-other-structure",
+    ),
+    case(
+        lambda: partitioner().compile(partitioner().partition(lambda x: 2 * x, None, P()), X, X),
+        T,
+        "PartitionedFunction",
+        "cannot take 2 positional",
+        "pass them as the function takes them",
+        id="t5x-compile-wrong-arity",
     ),
 ]
 
