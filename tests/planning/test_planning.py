@@ -1101,6 +1101,20 @@ def test_an_aborted_childs_last_words_are_the_compilers_own(stderr, words):
     assert plan_module._last_words(stderr) == words
 
 
+def v5e_16_plan(figures, *, memory_bytes):
+    """The plan these figures make for 16 chips of a v5e slice."""
+    return MeshPlan.rank(
+        figures,
+        PROFILES["tpu-v5e"],
+        devices=16,
+        memory_bytes=memory_bytes,
+        rules=None,
+        seconds=1.0,
+        time_budget=None,
+        backend="TPU compiler (libtpu), v5e:4x4",
+    )
+
+
 def test_a_plan_whose_every_compile_failed_says_so_rather_than_blame_memory():
     refused = "the TPU compiler refused it: INTERNAL: RET_CHECK failure (net_util.cc:2295)\nmore"
     figures = [
@@ -1108,16 +1122,7 @@ def test_a_plan_whose_every_compile_failed_says_so_rather_than_blame_memory():
         Figures({"dp": 16, "fsdp": 1, "ep": 1, "tp": 1, "sp": 1}, "pruned", "batch"),
         Figures({"dp": 4, "fsdp": 1, "ep": 1, "tp": 4, "sp": 1}, "failed", "ended (SIGABRT)"),
     ]
-    plan = MeshPlan.rank(
-        figures,
-        PROFILES["tpu-v5e"],
-        devices=16,
-        memory_bytes=16 * 2**30,
-        rules=None,
-        seconds=1.0,
-        time_budget=None,
-        backend="TPU compiler (libtpu), v5e:4x4",
-    )
+    plan = v5e_16_plan(figures, memory_bytes=16 * 2**30)
     assert plan.best is None
     assert plan.recommendation() == (
         "No mesh was compiled: 2 of the candidates failed, so no figure says which would fit. "
@@ -1177,16 +1182,7 @@ def test_a_plan_whose_every_compile_ran_out_of_memory_says_none_fits():
         Figures({"dp": 1, "fsdp": 16, "ep": 1, "tp": 1, "sp": 1}, "failed", oom),
         Figures({"dp": 2, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}, "failed", oom),
     ]
-    plan = MeshPlan.rank(
-        figures,
-        PROFILES["tpu-v5e"],
-        devices=16,
-        memory_bytes=16 * 10**9,
-        rules=None,
-        seconds=1.0,
-        time_budget=None,
-        backend="TPU compiler (libtpu), v5e:4x4",
-    )
+    plan = v5e_16_plan(figures, memory_bytes=16 * 10**9)
     assert plan.recommendation().startswith(
         "No mesh of 16 devices fits 14.90 GiB per device (the compiler ran out of the chip's "
         "memory on all 2 compiled): use more devices"

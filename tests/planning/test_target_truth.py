@@ -12,13 +12,11 @@ for NNX, the train state's bytes on the device that holds the most.
 import importlib.util
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
-from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from support.example_modules import load
+from support.train_states import abstract_train_state
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -156,16 +154,7 @@ def _users_train_state(workload, mesh, init):
         init.out_info,
         init.output_shardings,
     )
-    params = variables["params"]
-    opt_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(workload.tx.init, params),
-        fe.opt_state_shardings(workload.tx, params),
-    )
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return TrainState(
-        step=step, apply_fn=workload.model.apply, params=params, tx=workload.tx, opt_state=opt_state
-    )
+    return abstract_train_state(workload, mesh, variables["params"])
 
 
 @pytest.mark.slow

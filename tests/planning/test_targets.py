@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.example_modules import load
+from support.train_states import abstract_train_state
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -203,15 +203,7 @@ def _abstract_train_state(workload, mesh):
     params = plan.treedef.unflatten(
         [jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=NamedSharding(mesh, e.spec)) for e in plan]
     )["params"]
-    opt_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(workload.tx.init, params),
-        fe.opt_state_shardings(workload.tx, params),
-    )
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return TrainState(
-        step=step, apply_fn=workload.model.apply, params=params, tx=workload.tx, opt_state=opt_state
-    )
+    return abstract_train_state(workload, mesh, params)
 
 
 @pytest.mark.slow
