@@ -131,6 +131,15 @@ class _DonatingStep:
         self._jitted = jitted
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every step: the leaves only; their paths are looked up once one is found deleted.
+        if any(
+            isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)
+        ):
+            self._refuse_donated(state)
+        return self._jitted(state, *args, **kwargs)
+
+    @staticmethod
+    def _refuse_donated(state: Any) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise EscaleError(
@@ -139,7 +148,6 @@ class _DonatingStep:
                     "returned; pass the state the last call returned: "
                     "state, loss = step(state, batch)."
                 )
-        return self._jitted(state, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)

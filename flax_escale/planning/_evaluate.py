@@ -81,6 +81,16 @@ class Figures:
     textbook_seconds: float | None = None
     tokens_per_device: float | None = None
 
+    @property
+    def label(self) -> str:
+        """The mesh's axes larger than 1, like ``fsdp=4 tp=2``."""
+        return " ".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "one device"
+
+    @property
+    def key(self) -> tuple[tuple[str, int], ...]:
+        """The mesh, hashable: one plan's figures are told apart by it."""
+        return _mesh_key(self.shape)
+
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-ready values."""
         return {**dataclasses.asdict(self), "corrections": list(self.corrections)}
@@ -142,14 +152,14 @@ def evaluate(
     kept.sort(key=lambda k: k.textbook)
     report({"event": "start", "total": len(kept), "pruned": len(ruled_out)})
     results = []
-    done = {_key(f.shape): f for f in known}
+    done = {f.key: f for f in known}
     for figures in ruled_out:
-        if _key(figures.shape) not in done:
+        if figures.key not in done:
             report({"event": "figures", "figures": figures.as_json()})
     best: tuple[float, str] | None = None  # the best estimate of a mesh that fits, and its mesh
     for k in kept:
         spent = time.perf_counter() - start
-        figures = done.get(_key(k.shape))
+        figures = done.get(_mesh_key(k.shape))
         if figures is not None:
             pass  # reported by the process that found it
         elif time_budget is not None and spent > time_budget:
@@ -177,15 +187,14 @@ def evaluate(
                 )
             )
             if best is None or seconds < best[0]:
-                label = " ".join(f"{a}={s}" for a, s in k.shape.items() if s > 1)
-                best = (seconds, label or "one device")
+                best = (seconds, figures.label)
         results.append(figures)
-        if _key(k.shape) not in done:
+        if figures.key not in done:
             report({"event": "figures", "figures": figures.as_json()})
     return [*ruled_out, *results]
 
 
-def _key(shape: dict[str, int]) -> tuple[tuple[str, int], ...]:
+def _mesh_key(shape: dict[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(shape.items())
 
 

@@ -203,10 +203,9 @@ def _raise_a_shared_failure(figures: Sequence[Figures]) -> None:
     tried = [f for f in figures if f.status not in ("pruned", "skipped", "ruled out")]
     if tried and all(f.status == "failed" and f.reason.startswith(TRACE_FAILURE) for f in tried):
         first = tried[0]
-        label = " ".join(f"{a}={s}" for a, s in first.shape.items() if s > 1) or "one device"
         raise EscaleError(
             f"workload: the step traced on none of the {len(tried)} meshes tried, so the "
-            f"workload is at fault, not the meshes; on {label}: "
+            f"workload is at fault, not the meshes; on {first.label}: "
             f"{first.reason[len(TRACE_FAILURE) :]}"
         )
 
@@ -411,10 +410,9 @@ class _Events:
         elif event["event"] == "figures":
             figures = Figures.from_json(event["figures"])
             self.compiling = None
-            self.found[tuple(figures.shape.items())] = figures
+            self.found[figures.key] = figures
             if figures.status != "pruned":
-                label = " ".join(f"{a}={s}" for a, s in figures.shape.items() if s > 1)
-                self.progress.update(self.task, advance=1, description=f"{label} done")
+                self.progress.update(self.task, advance=1, description=f"{figures.label} done")
         elif event["event"] == "rules":
             self.rules = event["rules"]
         elif event["event"] == "error":

@@ -52,7 +52,7 @@ class Candidate:
     @property
     def label(self) -> str:
         """The axes larger than 1, like ``fsdp=4 tp=2``."""
-        return " ".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "one device"
+        return self.figures.label
 
     @property
     def peak_bytes(self) -> int | None:
