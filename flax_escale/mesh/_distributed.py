@@ -15,6 +15,7 @@ import jax
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.mesh._cluster import ClusterInfo, detect_cluster, split_address
+from flax_escale.mesh._last_words import watch_for_coordinator_loss
 
 __all__ = ["initialize_distributed", "peer_loss_as_mesh_error"]
 
@@ -48,10 +49,14 @@ def initialize_distributed(
     within about ``heartbeat_timeout`` seconds (JAX's own default is 100): JAX then ends every
     other process with SIGABRT (exit status 134, ``-6`` from :mod:`subprocess`), from C++,
     after logging "Terminating process because the JAX distributed service detected fatal
-    errors". If process 0 (the coordinator) dies, the others end at once. A collective that is
-    running when its peer dies fails before that with a ``JaxRuntimeError`` ("Gloo AllGather
-    failed: ... Connection closed by peer"), which :func:`peer_loss_as_mesh_error` turns into a
-    :class:`MeshError` naming the lost process.
+    errors". If process 0 (the coordinator) dies, the others end at once, and each one's last
+    line on standard error names process 0 as lost and says to restart the job from its last
+    checkpoint (a small watcher process beside each one writes it, since JAX's abort lets no
+    Python run). A collective that is running when its peer dies fails before that with a
+    ``JaxRuntimeError`` ("Gloo AllGather failed: ... Connection closed by peer"), which
+    :func:`peer_loss_as_mesh_error` turns into a :class:`MeshError` naming the lost process.
+    Nothing can be saved after a loss (a checkpoint needs every process): save one
+    periodically.
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator.
@@ -122,6 +127,7 @@ def initialize_distributed(
             "num_processes."
         ) from error
     _session = (cluster, heartbeat)
+    watch_for_coordinator_loss(cluster)
     return cluster
 
 

@@ -152,6 +152,8 @@ def launch(
         code = group.wait()
     for pump in pumps:  # what is left in the pipes; a process's own children may hold them
         pump.join(timeout=grace)
+    if group.first_failed is not None:
+        (stderr or sys.stderr).write(group.summary() + "\n")
     return code
 
 
@@ -179,6 +181,7 @@ class _Group:
         self.grace = grace
         self.lock = threading.Lock()
         self.failure: int | None = None
+        self.first_failed: int | None = None
         self.signalled: int | None = None
         self.kill_at: float | None = None
 
@@ -200,9 +203,10 @@ class _Group:
     def wait(self) -> int:
         while True:
             codes = [child.poll() for child in self.children]
-            failed = next((code for code in codes if code not in (None, 0)), None)
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
             if self.failure is None and failed is not None:
-                self.failure = _exit_code(failed)
+                self.first_failed = failed
+                self.failure = _exit_code(codes[failed])
                 self._start_stopping(terminate=True)
             if None not in codes:
                 break
@@ -214,6 +218,40 @@ class _Group:
         if self.failure is not None:
             return self.failure
         return 0 if self.signalled is None else 128 + self.signalled
+
+    def summary(self) -> str:
+        """Which process failed first and how, and how the others ended: the job's last words."""
+        first = self.first_failed
+        count = len(self.children)
+        role = " (the coordinator)" if first == 0 and count > 1 else ""
+        ends = [
+            f"process {rank} {_ending(child.returncode)}"
+            for rank, child in enumerate(self.children)
+            if rank != first
+        ]
+        others = (
+            f" Then {'; '.join(ends)}: once one process of a job is lost, JAX ends the others "
+            "(SIGABRT) and the launcher stops them (SIGTERM)."
+            if ends
+            else ""
+        )
+        return (
+            f"[launcher] process {first} of {count}{role} failed first: it "
+            f"{_ending(self.children[first].returncode)}.{others} Its own output above says "
+            f"why; the launcher exits with {self.failure}."
+        )
+
+
+def _ending(returncode: int) -> str:
+    if returncode == 0:
+        return "exited normally"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was ended by {name}"
+    return f"exited with {returncode}"
 
 
 def _exit_code(returncode: int) -> int:

@@ -75,7 +75,31 @@ def test_survivor_of_a_dead_coordinator_ends_at_once():
     assert code0 == -signal.SIGKILL
     assert "first collective done" in out1
     assert code1 == -signal.SIGABRT, f"stdout:\n{out1}\nstderr:\n{err1[-4000:]}"
-    assert "Terminating process because the JAX distributed service detected fatal" in err1
+    # JAX's abort runs no Python: the watcher beside the survivor says why, as its last words.
+    last_words = err1.rstrip().splitlines()[-1]
+    assert last_words.startswith("flax_escale: process 1 of 2 ended abruptly"), err1[-4000:]
+    assert "process 0, the job's coordinator at 127.0.0.1:" in last_words
+    assert "restart the whole job from its last checkpoint" in last_words
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_ends_normally_has_no_last_words():
+    script = f"""
+import sys, numpy as np
+from jax.experimental import multihost_utils
+import flax_escale as fe
+fe.initialize_distributed("127.0.0.1:{free_port()}", 2, int(sys.argv[1]), local_device_count=2)
+print(multihost_utils.process_allgather(np.arange(2)).sum(), flush=True)
+if sys.argv[1] == "1":
+    raise SystemExit(3)  # a failure Python reports itself is not an abort
+"""
+    # Were the watcher left running, it would hold the pipes open and this would time out.
+    (code0, out0, err0), (code1, out1, err1) = run_commands(
+        [[sys.executable, "-c", script, str(rank)] for rank in range(2)], timeout=120
+    )
+    assert (code0, code1) == (0, 3), err0[-2000:] + err1[-2000:]
+    assert out0.splitlines()[-1] == out1.splitlines()[-1] == "2"
+    assert "ended abruptly" not in err0 + err1
 
 
 @pytest.mark.parametrize(

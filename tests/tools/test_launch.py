@@ -88,6 +88,42 @@ def test_a_failing_process_stops_the_others_and_gives_its_exit_code(tmp_path):
     assert done.returncode == 7
     assert "[1] started" in done.stdout
     assert "finished" not in done.stdout
+    assert done.stderr.splitlines()[-1] == (
+        "[launcher] process 1 of 3 failed first: it exited with 7. Then process 0 was ended by "
+        "SIGTERM; process 2 was ended by SIGTERM: once one process of a job is lost, JAX ends "
+        "the others (SIGABRT) and the launcher stops them (SIGTERM). Its own output above says "
+        "why; the launcher exits with 7."
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_dead_coordinator_is_named_by_the_launcher_and_by_the_survivor(tmp_path):
+    script = write(
+        tmp_path,
+        "coordinator_dies.py",
+        """
+        import os, signal, time
+        import numpy as np
+        from jax.experimental import multihost_utils
+        import flax_escale as fe
+        cluster = fe.initialize_distributed()
+        multihost_utils.process_allgather(np.ones(2))
+        if cluster.process_id == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+    )
+    done = run_launcher("--processes", "2", "--devices-per-process", "1", script)
+    assert done.returncode == 128 + signal.SIGKILL
+    lines = done.stderr.splitlines()
+    assert lines[-1].startswith(
+        "[launcher] process 0 of 2 (the coordinator) failed first: it was ended by SIGKILL. "
+        "Then process 1 was ended by SIGABRT"
+    ), done.stderr[-3000:]
+    assert any(
+        line.startswith("[1] flax_escale: process 1 of 2 ended abruptly, and process 0")
+        for line in lines
+    ), done.stderr[-3000:]
 
 
 @pytest.mark.multiprocess
