@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -652,6 +653,24 @@ def callable_(value: Any, argument: str, hint: str = "") -> Callable[..., Any]:
     raise EscaleTypeError(
         f"{argument} must be a function, got {what}" + (f"; {hint}" if hint else ".")
     )
+
+
+def takes_positional(fn: Callable[..., Any], count: int, argument: str, call: str) -> None:
+    """Raises unless ``fn`` can be called with ``count`` positional arguments, as ``call`` says.
+
+    Functions whose signature cannot be read (some builtins) pass: their call says what is
+    wrong.
+    """
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError as error:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise EscaleTypeError(
+            f"{argument}: {name}{inspect.signature(fn)} cannot be called as {call} ({error}); "
+            f"give it exactly those {count} parameters."
+        ) from None
+    except ValueError:
+        pass
 
 
 def _has_shape(leaf: Any) -> bool:

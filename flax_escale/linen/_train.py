@@ -52,7 +52,9 @@ def jit_train_step(
         EscaleTypeError: If a leaf of ``state`` is not an array with a sharding (a step of
             ``0``, say, as ``TrainState.create`` makes it), ``step_fn`` is not a function or
             ``batch_sharding`` is a bare ``PartitionSpec``; when the step traces, if it does
-            not return a state shaped like ``state`` (and ``aux`` with ``has_aux``).
+            not return a state shaped like ``state`` (and ``aux`` with ``has_aux``) or takes
+            the gradient of a loss that is not a scalar; if ``step_fn`` cannot take
+            ``(state, batch)``, or the step is called with a state of another structure.
         EscaleError: When the step is called with a state an earlier call was donated.
 
     Example:
@@ -78,6 +80,7 @@ def jit_train_step(
         (3, P(('fsdp', 'sp'), 'tp'))
     """
     check.callable_(step_fn, "step_fn", "pass the function step_fn(state, batch)")
+    check.takes_positional(step_fn, 2, "jit_train_step", "step_fn(state, batch)")
     has_aux = check.flag(has_aux, "has_aux")
     if isinstance(batch_sharding, PartitionSpec):
         raise EscaleTypeError(
@@ -91,7 +94,17 @@ def jit_train_step(
     @functools.wraps(step_fn)  # named as the user's step in traces, profiles and HLO
     def checked_step(state: Any, batch: Any) -> Any:
         # What the step returns is checked while it traces, once per compilation.
-        result = step_fn(state, batch)
+        try:
+            result = step_fn(state, batch)
+        except TypeError as error:
+            if not str(error).startswith(_NOT_SCALAR):
+                raise
+            shape = str(error)[len(_NOT_SCALAR) :].strip().rstrip(".")
+            raise EscaleTypeError(
+                f"jit_train_step: step_fn took the gradient of a loss that is not a scalar "
+                f"({shape}); reduce it to one number, e.g. jnp.mean(loss), before jax.grad or "
+                "jax.value_and_grad."
+            ) from error
         new_state = result[0] if has_aux and isinstance(result, tuple) else result
         if has_aux and not (isinstance(result, tuple) and len(result) == 2):
             raise EscaleTypeError(
@@ -116,7 +129,11 @@ def jit_train_step(
         out_shardings=(shardings, None) if has_aux else shardings,
         donate_argnums=0,
     )
-    return _DonatingStep(jitted)
+    return _DonatingStep(jitted, structure)
+
+
+# How jax.grad refuses a function whose output is not a scalar.
+_NOT_SCALAR = "Gradient only defined for scalar-output functions."
 
 
 class _DonatingStep:
@@ -127,14 +144,21 @@ class _DonatingStep:
     keeping what it returned). ``lower``, ``trace`` and the rest are the jitted function's.
     """
 
-    def __init__(self, jitted: Any) -> None:
+    def __init__(self, jitted: Any, structure: Any) -> None:
         self._jitted = jitted
+        self._structure = structure
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
-        # Every step: the leaves only; their paths are looked up once one is found deleted.
-        if any(
-            isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)
-        ):
+        # Every step: one flatten; paths are looked up once a leaf is found deleted.
+        leaves, structure = jax.tree.flatten(state)
+        if structure != self._structure:
+            raise EscaleTypeError(
+                "jit_train_step: the state passed is not shaped like the state the step was "
+                f"built for (got {check.describe(state)}): its arrays or its static fields "
+                "differ (a TrainState made again with another apply_fn or tx object, say); pass "
+                "the state the step was built for, or what its last call returned."
+            )
+        if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
             self._refuse_donated(state)
         return self._jitted(state, *args, **kwargs)
 

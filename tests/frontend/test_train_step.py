@@ -236,3 +236,46 @@ def test_jit_train_step_refuses_what_is_not_a_step_or_a_sharding(mesh, batch):
         fel.jit_train_step("train_step", state)
     with pytest.raises(fe.EscaleTypeError, match=r"batch_sharding: .* is a PartitionSpec"):
         fel.jit_train_step(train_step, state, batch_sharding=P("dp"))
+
+
+def test_a_step_that_cannot_take_state_and_batch_is_refused_naming_its_signature(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=re.escape(
+            "jit_train_step: <lambda>(state) cannot be called as step_fn(state, batch)"
+        ),
+    ):
+        fel.jit_train_step(lambda state: state, state)
+    with pytest.raises(fe.EscaleTypeError, match=r"missing a required argument: 'rng'"):
+        fel.jit_train_step(lambda state, batch, rng: state, state)
+
+
+def test_a_loss_that_is_not_a_scalar_is_named_with_its_shape(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+
+    def per_example_loss_step(state, x):
+        grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2, axis=-1))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads)
+
+    step = fel.jit_train_step(per_example_loss_step, state)
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=r"gradient of a loss that is not a scalar \(Output had shape: \(8,\)\); reduce it",
+    ):
+        step(state, batch)
+
+
+def test_a_state_of_another_structure_is_refused_before_jax_compares_shardings(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    step = fel.jit_train_step(train_step, state, has_aux=True)
+    # The same model and optimizer made again: another tx object, so another static field.
+    other = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    with pytest.raises(
+        fe.EscaleTypeError, match=r"the state passed is not shaped like the state the step"
+    ):
+        step(other, batch)
+    new, _ = step(state, batch)
+    assert int(new.step) == 1
