@@ -146,6 +146,7 @@ EXPECTED = {
     ],
     "flax_escale.tools": [
         "MemoryEstimate",
+        "Resharding",
         "ShardingReport",
         "UnshardedParameterError",
         "batch_sharding",

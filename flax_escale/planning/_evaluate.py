@@ -31,6 +31,7 @@ from flax_escale.planning._workload import Workload, batch_shardings, lower_prog
 from flax_escale.resolve import as_logical_rules
 from flax_escale.tools._data import batch_resolution
 from flax_escale.tools._memory import will_it_fit
+from flax_escale.tools._reshardings import Resharding, compile_collecting
 
 __all__ = ["TRACE_FAILURE", "Figures", "evaluate"]
 
@@ -65,6 +66,9 @@ class Figures:
         textbook_seconds: Its collectives' time when the weights travel, by the textbook
             (:func:`~flax_escale.planning._estimate.textbook_communication`).
         tokens_per_device: Tokens of the batch each device computes on per step.
+        reshardings: The arrays XLA's partitioner replicates in full to split them another
+            way, in the init and the step: each costs an all-gather the layout did not ask
+            for.
     """
 
     shape: dict[str, int]
@@ -80,6 +84,7 @@ class Figures:
     cached: bool = False
     textbook_seconds: float | None = None
     tokens_per_device: float | None = None
+    reshardings: tuple[Resharding, ...] = ()
 
     @property
     def label(self) -> str:
@@ -93,12 +98,22 @@ class Figures:
 
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-ready values."""
-        return {**dataclasses.asdict(self), "corrections": list(self.corrections)}
+        return {
+            **dataclasses.asdict(self),
+            "corrections": list(self.corrections),
+            "reshardings": [dataclasses.asdict(r) for r in self.reshardings],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Figures:
         """Figures from :meth:`as_json`'s output."""
-        return cls(**{**data, "corrections": tuple(data["corrections"])})
+        return cls(
+            **{
+                **data,
+                "corrections": tuple(data["corrections"]),
+                "reshardings": tuple(Resharding(**r) for r in data.get("reshardings", ())),
+            }
+        )
 
 
 def evaluate(
@@ -319,8 +334,8 @@ def _compile(
         )
     )
     try:
-        init = programs.init.compile(compiler_options=target.compiler_options)
-        step = programs.step.compile(compiler_options=target.compiler_options)
+        init, init_reshardings = compile_collecting(programs.init, target.compiler_options)
+        step, step_reshardings = compile_collecting(programs.step, target.compiler_options)
     except jax.errors.JaxRuntimeError as error:
         # The target's compiler refused the program (out of memory on the chip, say): that
         # mesh is reported with the compiler's own words.
@@ -339,6 +354,7 @@ def _compile(
             kind: [c.count, c.bytes, c.wire_bytes] for kind, c in costs.collectives.items()
         },
         compile_seconds=time.perf_counter() - start,
+        reshardings=init_reshardings + step_reshardings,
     )
     _write_cache(cache_dir, key, figures)
     return figures

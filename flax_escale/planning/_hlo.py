@@ -65,7 +65,7 @@ __all__ = [
     "program_costs",
 ]
 
-READER_VERSION = 2
+READER_VERSION = 3
 """Changes whenever the same program text would be read into other figures (cached figures
 keyed by the program alone would otherwise outlive a fix to the reader)."""
 

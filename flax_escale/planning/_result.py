@@ -15,6 +15,7 @@ from flax_escale.plan._plan import format_bytes
 from flax_escale.planning._estimate import ESTIMATE_TERMS, estimate_seconds, explain
 from flax_escale.planning._evaluate import Figures
 from flax_escale.planning._profiles import HardwareProfile
+from flax_escale.tools._reshardings import summarize
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
 
@@ -254,6 +255,8 @@ class MeshPlan:
             notes.append(f"{f.status}: {f.reason}" if f.reason else f.status)
         if f.corrections:
             notes.append(f"{len(f.corrections)} corrections, e.g. {f.corrections[0]}")
+        if f.reshardings:
+            notes.append(summarize(f.reshardings))
         return "; ".join(notes)
 
     def __rich__(self) -> Group:

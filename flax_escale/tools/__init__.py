@@ -20,9 +20,11 @@ from flax_escale.tools._report import (
     check_sharded,
     sharding_report,
 )
+from flax_escale.tools._reshardings import Resharding
 
 __all__ = [
     "MemoryEstimate",
+    "Resharding",
     "ShardingReport",
     "UnshardedParameterError",
     "batch_sharding",

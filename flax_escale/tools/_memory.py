@@ -13,6 +13,7 @@ from flax_escale import _checks as check
 from flax_escale.errors import EscaleError
 from flax_escale.mesh import Target
 from flax_escale.plan._plan import format_bytes
+from flax_escale.tools._reshardings import Resharding, compile_collecting, summarize
 
 __all__ = ["MemoryEstimate", "will_it_fit"]
 
@@ -32,6 +33,10 @@ class MemoryEstimate:
             temporaries depend on it. XLA's CPU backend materializes the random numbers of an
             initializer before transforming them, where an accelerator fuses them, so an init
             compiled for CPU needs temporaries an accelerator does not.
+        reshardings: The arrays XLA's partitioner replicates in full to split them another
+            way (its "involuntary full rematerialization" reports, collected instead of
+            printed), each an all-gather the layout did not ask for; ``None`` when the program
+            came already compiled, so that its compile was not seen.
     """
 
     argument_bytes: int
@@ -41,6 +46,7 @@ class MemoryEstimate:
     code_bytes: int
     device_bytes: int | None
     backend: str = "unknown"
+    reshardings: tuple[Resharding, ...] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -58,7 +64,7 @@ class MemoryEstimate:
             f"per {self.backend} device: arguments {format_bytes(self.argument_bytes)}, outputs "
             f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)}, "
             f"aliased {format_bytes(self.alias_bytes)} -> peak {format_bytes(self.peak_bytes)} "
-            f"({verdict})"
+            f"({verdict})" + (f"; {summarize(self.reshardings)}" if self.reshardings else "")
         )
 
 
@@ -133,13 +139,13 @@ def will_it_fit(
             device_bytes = target.memory_bytes
         if target.platform != "cpu":
             args, kwargs = _on_target((args, kwargs), target)
+    reshardings = None
     if isinstance(fn, jax.stages.Compiled):
         compiled = fn
-    elif isinstance(fn, jax.stages.Lowered):
-        compiled = fn.compile()
     else:
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-        compiled = jitted.lower(*args, **kwargs).compile()
+        if not isinstance(fn, jax.stages.Lowered):
+            fn = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args, **kwargs)
+        compiled, reshardings = compile_collecting(fn)
     analysis = compiled.memory_analysis()
     device = _device_of(compiled)
     if device_bytes is None:
@@ -152,6 +158,7 @@ def will_it_fit(
         code_bytes=int(analysis.generated_code_size_in_bytes),
         device_bytes=device_bytes,
         backend=device.platform,
+        reshardings=reshardings,
     )
 
 

@@ -1,0 +1,108 @@
+"""XLA's involuntary-rematerialization reports: collected from a compile, not printed.
+
+The oracle is a program whose resharding XLA's partitioner is known to do by replicating: an
+array split over ``(fsdp, dp)`` on its first dimension, needed split over ``fsdp`` on its
+last; and one it does cheaply (keeping ``dp``, moving ``fsdp``), which must report nothing.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_escale as fe
+from flax_escale.planning._evaluate import Figures
+from flax_escale.tools import Resharding
+from flax_escale.tools._reshardings import (
+    _standard_error_captured,
+    compile_collecting,
+    summarize,
+)
+
+REPORT_LINE = (
+    "W1126 07:55:25.183108   25754 spmd_partitioner.cc:656] [SPMD] Involuntary full "
+    "rematerialization. The compiler cannot go from sharding {devices=[1,1,8]<=[8]} to "
+    "{devices=[4,2,1]<=[8]} efficiently for HLO operation %gather = f32[16,32,8]{2,1,0} "
+    "gather(%fake_parameter.0, %all-gather), offset_dims={2}. As the last resort, SPMD will "
+    "replicate the tensor and then partition it to obtain the target sharding.\n"
+)
+
+
+def _move(source, target, shape=(8, 32, 64)):
+    mesh = fe.create_mesh((4, 2, 1, 1, 1))
+    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, source))
+
+    def f(x):
+        return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, target)) + 1
+
+    return jax.jit(f).lower(x)
+
+
+def test_a_resharding_done_by_replicating_is_reported_and_not_printed(capfd):
+    compiled, reports = compile_collecting(_move(P(("fsdp", "dp")), P(None, None, "fsdp")))
+    assert isinstance(compiled, jax.stages.Compiled)
+    assert reports == (
+        Resharding(
+            operation="parameter",
+            shape="f32[1,32,64]",
+            source="{devices=[8,1,1]<=[4,2]T(1,0)}",
+            target="{devices=[1,1,2,4]<=[4,2]T(1,0) last_tile_dim_replicate}",
+        ),
+    )
+    assert "Involuntary" not in capfd.readouterr().err
+
+
+def test_a_cheap_resharding_reports_nothing():
+    assert compile_collecting(_move(P(("dp", "fsdp")), P("dp", None, "fsdp")))[1] == ()
+
+
+def test_a_program_compiled_again_reports_what_its_first_compile_did():
+    # The second compile comes from JAX's cache and logs nothing.
+    lowered = _move(P(("fsdp", "dp")), P(None, None, "fsdp"), shape=(16, 32, 64))
+    first = compile_collecting(lowered)[1]
+    assert len(first) == 1
+    assert compile_collecting(lowered)[1] == first
+
+
+def test_other_lines_written_while_compiling_go_on_to_standard_error(capfd):
+    with _standard_error_captured() as captured:
+        os.write(2, b"a line of someone else\n")
+        os.write(2, REPORT_LINE.encode())
+    assert "a line of someone else" in captured.text
+    assert "Involuntary" in captured.text
+    err = capfd.readouterr().err
+    assert "a line of someone else" in err
+    assert "Involuntary" not in err
+
+
+def test_the_summary_counts_them_and_names_each_operation_once():
+    gather = Resharding("gather", "f32[16,32,8]", "{a}", "{b}")
+    parameter = Resharding("parameter", "f32[4,16,64]", "{b}", "{a}")
+    assert summarize(()) == ""
+    assert summarize((gather, gather, parameter)) == (
+        "3 involuntary rematerializations (replicated to split): gather f32[16,32,8], "
+        "parameter f32[4,16,64]"
+    )
+    assert str(gather) == "gather f32[16,32,8] {a} -> {b}"
+
+
+def test_will_it_fit_says_which_arrays_the_compiler_replicated():
+    estimate = fe.will_it_fit(_move(P(("fsdp", "dp")), P(None, None, "fsdp"), shape=(24, 8, 64)))
+    assert [r.operation for r in estimate.reshardings] == ["parameter"]
+    assert "1 involuntary rematerialization (replicated to split): parameter f32[" in str(estimate)
+    # A program compiled elsewhere: its compile was not seen.
+    assert fe.will_it_fit(_move(P("dp"), P("dp")).compile()).reshardings is None
+
+
+def test_the_planner_figures_keep_them_through_json():
+    found = Figures(
+        shape={"dp": 4, "fsdp": 2, "ep": 1, "tp": 1, "sp": 1},
+        status="compiled",
+        reshardings=(Resharding("gather", "f32[16,32,8]", "{a}", "{b}"),),
+    )
+    assert Figures.from_json(found.as_json()) == found
+    # Figures cached before reshardings were collected read as none.
+    older = {k: v for k, v in found.as_json().items() if k != "reshardings"}
+    assert Figures.from_json(older).reshardings == ()
