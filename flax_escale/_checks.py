@@ -368,7 +368,7 @@ def path(value: Any, argument: str) -> str:
 
     Raises:
         EscaleTypeError: For ``None``, bytes, a number, or anything not path-like.
-        EscaleError: For the empty string.
+        EscaleError: For the empty string, or a path with a NUL character.
     """
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -380,6 +380,13 @@ def path(value: Any, argument: str) -> str:
     if not value:
         raise EscaleError(
             f"{argument} must be a non-empty path, got ''; pass e.g. '/tmp/checkpoints/step_100'."
+        )
+    # A NUL byte ends a name at the system call: os and tempfile raise a bare ValueError, and
+    # a lookup would say only that nothing is there.
+    if "\0" in value:
+        raise EscaleError(
+            f"{argument} must be a path without NUL characters, got {value!r} (a NUL at "
+            f"position {value.index(chr(0))}); no file system can name it: remove the '\\x00'."
         )
     return value
 

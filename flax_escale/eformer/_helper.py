@@ -106,9 +106,10 @@ class MeshPartitionHelper:
             A ``PartitionSpec`` that divides ``array_shape``.
 
         Raises:
-            EscaleError: If a method names an axis the mesh lacks.
-            EscaleTypeError: If ``methods`` is not a list of methods, or ``array_shape`` is not
-                a tuple of ints.
+            EscaleError: If a method names an axis the mesh lacks, or ``min_shard_size`` is
+                negative.
+            EscaleTypeError: If ``methods`` is not a list of methods, ``array_shape`` is not
+                a tuple of ints, or ``min_shard_size`` not an int.
 
         Example:
             >>> from flax_escale import eformer as escale
@@ -124,6 +125,7 @@ class MeshPartitionHelper:
                 f"{type(methods).__name__} {methods!r}."
             )
         shape = check.shape(array_shape, "array_shape")
+        min_shard_size = check.non_negative_int(min_shard_size, "min_shard_size")
         entries: Methods = [() for _ in shape]
         used: set[str] = set()
         for position, method in enumerate(methods):
@@ -150,6 +152,8 @@ class MeshPartitionHelper:
     def partition_specs(self, pytree: Any, min_shard_size: int = 1024) -> Any:
         """The automatic spec of every array (or ``ShapeDtypeStruct``) in ``pytree``."""
         check.tree_of_arrays(pytree, "pytree")
+        # Checked here too, so that a tree with no arrays does not let a bad value through.
+        min_shard_size = check.non_negative_int(min_shard_size, "min_shard_size")
         flat, treedef = flatten_with_paths(pytree)
         return treedef.unflatten(
             [self._auto_spec(getattr(v, "shape", ()), min_shard_size) for _, v, _ in flat]
@@ -162,6 +166,7 @@ class MeshPartitionHelper:
     def auto_shard_pytree(self, pytree: Any, min_shard_size: int = 1024) -> Any:
         """Every array of ``pytree`` placed with its automatic spec."""
         check.tree_of_arrays(pytree, "pytree")
+        min_shard_size = check.non_negative_int(min_shard_size, "min_shard_size")
         flat, treedef = flatten_with_paths(pytree)
         return treedef.unflatten(
             [

@@ -6,12 +6,14 @@ and cut to each array's rank the same way; only the string syntax is eformer's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import enforce
@@ -19,11 +21,20 @@ from flax_escale.sharding._rules import (
     PartitionRuleError,
     as_rule_spec,
     check_rule_spec,
-    compile_rules,
     fitted_spec,
 )
 
 __all__ = ["create_pattern_based_partition_spec"]
+
+# The string is cut at every ',' and '|' before any regex is read, so a regex holding one of
+# them arrives in pieces: the errors such pieces cause say so, and how to write it instead.
+_GRAMMAR = (
+    "In a pattern string ',' separates rules and '|' separates the regexes of one rule, so no "
+    "regex can contain either: write alternatives as separate regexes ('attn/kernel|mlp/kernel"
+    "->tp' rather than '(attn|mlp)/kernel->tp'), and spell out a {m,n} repeat (r'\\d\\d?' "
+    "rather than r'\\d{1,2}'); or pass the rules as (regex, PartitionSpec) pairs to "
+    "flax_escale.eformer.match_partition_rules, where any regex is allowed."
+)
 
 
 def create_pattern_based_partition_spec(
@@ -38,7 +49,9 @@ def create_pattern_based_partition_spec(
     The string is rules separated by ``,``; a rule is ``regexes->spec``, several regexes joined
     by ``|`` sharing one spec, and the spec's entries joined by ``.`` (``None`` for an unsharded
     dimension). ``"attention|mlp->fsdp.tp,embed->tp"`` sends paths containing ``attention`` or
-    ``mlp`` to ``P('fsdp', 'tp')`` and those containing ``embed`` to ``P('tp')``. The first rule
+    ``mlp`` to ``P('fsdp', 'tp')`` and those containing ``embed`` to ``P('tp')``. The string is
+    cut at every ``,`` and ``|`` before any regex is read, so a regex cannot contain either:
+    write alternatives as separate regexes, and use no ``{m,n}`` repeat. The first rule
     whose regex is found in the path wins; otherwise ``default_spec`` (replicated). Scalars
     get ``P()``. A spec longer than the array's rank is cut to it when the entries cut name
     no mesh axis; cutting mesh axes is a correction (a
@@ -55,8 +68,9 @@ def create_pattern_based_partition_spec(
         The function.
 
     Raises:
-        PartitionRuleError: For a rule without ``->``, an empty regex, a spec that names one
-            mesh axis twice, or an axis the mesh lacks (naming the rule).
+        PartitionRuleError: For a rule without exactly one ``->``, an empty or invalid regex
+            (such as a piece of one cut at a ``,`` or ``|``), a spec that names one mesh axis
+            twice, or an axis the mesh lacks (naming ``pattern`` and the rule).
         EscaleTypeError: If ``pattern`` is not a string, ``mesh`` not a mesh or ``strict``
             not a bool.
 
@@ -84,11 +98,12 @@ def create_pattern_based_partition_spec(
             mesh = None
     mesh_shape = None if mesh is None else dict(mesh.shape)
     check_rule_spec(default, f"pattern {pattern!r}: default_spec", mesh_shape)
-    rules = []
+    compiled = []
     for rule in (r.strip() for r in pattern.split(",") if r.strip()):
         if rule.count("->") != 1:
             raise PartitionRuleError(
-                f"pattern {pattern!r}: rule {rule!r} must be 'regex|regex->axis.axis'."
+                f"pattern {pattern!r}: the rule {rule!r} (as cut at the ',' separators) must be "
+                f"'regex|regex->axis.axis', with one '->'. {_GRAMMAR}"
             )
         regexes, spec_text = (part.strip() for part in rule.split("->"))
         texts = [e.strip() for e in spec_text.split(".")]
@@ -101,11 +116,17 @@ def create_pattern_based_partition_spec(
         entries = [None if e == "None" else e for e in texts]
         spec = PartitionSpec(*entries)
         check_rule_spec(spec, f"pattern {pattern!r}: rule {rule!r}", mesh_shape)
-        for regex in regexes.split("|"):
-            if not regex.strip():
+        for regex in (r.strip() for r in regexes.split("|")):
+            if not regex:
                 raise PartitionRuleError(f"pattern {pattern!r}: rule {rule!r} has an empty regex.")
-            rules.append((regex.strip(), spec))
-    compiled = compile_rules(tuple(rules))
+            try:
+                found = UserPattern(regex, f"pattern {pattern!r}: rule {rule!r}")
+            except re.error as error:
+                raise PartitionRuleError(
+                    f"pattern {pattern!r}: in the rule {rule!r}, {regex!r} is not a valid regex "
+                    f"({error}). {_GRAMMAR}"
+                ) from None
+            compiled.append((regex, found, spec))
 
     def spec_of(path: str, array: Any) -> PartitionSpec:
         chosen = next((spec for _, found, spec in compiled if found.search(path)), default)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from flax_escale import _checks as check
@@ -49,9 +50,19 @@ class PartitionedFunction:
         self.jitted = jitted
         self.mesh = mesh
         self.rules = rules
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(jitted)
+        except (TypeError, ValueError):  # no signature to read: the call says what is wrong
+            self._signature = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the jitted function under the mesh and rules."""
+        """Runs the jitted function under the mesh and rules.
+
+        Raises:
+            EscaleTypeError: If the arguments do not fit the function's parameters, or some are
+                given by keyword.
+        """
+        self._check_arguments(args, kwargs)
         with use_sharding(self.mesh, self.rules):
             return self.jitted(*args, **kwargs)
 
@@ -59,21 +70,31 @@ class PartitionedFunction:
         """``jax.jit(...).lower`` under the mesh and rules.
 
         Raises:
-            EscaleTypeError: If the arguments do not fit the function's parameters.
+            EscaleTypeError: If the arguments do not fit the function's parameters, or some are
+                given by keyword.
         """
-        try:
-            inspect.signature(self.jitted).bind(*args, **kwargs)
-        except TypeError as error:
-            name = getattr(self.jitted, "__name__", "the function")
-            raise EscaleTypeError(
-                f"PartitionedFunction: {name} cannot take {len(args)} positional and "
-                f"{len(kwargs)} keyword arguments ({error}); pass them as the function takes "
-                "them."
-            ) from None
-        except ValueError:  # no signature to read: the call says what is wrong
-            pass
+        self._check_arguments(args, kwargs)
         with use_sharding(self.mesh, self.rules):
             return self.jitted.lower(*args, **kwargs)
+
+    def _check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = getattr(self.jitted, "__name__", "the function")
+        if self._signature is not None:
+            try:
+                self._signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise EscaleTypeError(
+                    f"PartitionedFunction: {name} cannot take {len(args)} positional and "
+                    f"{len(kwargs)} keyword arguments ({error}); pass them as the function takes "
+                    "them."
+                ) from None
+        if kwargs:
+            # jax.jit refuses keywords whenever in_shardings is given, which partition() does.
+            raise EscaleTypeError(
+                f"PartitionedFunction: {name} was given the keyword arguments {sorted(kwargs)}; "
+                "a partitioned function takes its arguments by position only (in_axis_resources "
+                "gives them their specs in order), so pass them positionally."
+            )
 
 
 class Partitioner(DataPartitioning, StatePartitioning):
@@ -242,11 +263,22 @@ class Partitioner(DataPartitioning, StatePartitioning):
             in_axis_resources: One spec per (non-static) positional argument, or a prefix of
                 them: ``PartitionSpec`` or ``NamedSharding`` leaves, ``None`` for replicated.
             out_axis_resources: The same for the outputs.
-            static_argnums: Positional arguments that are compile-time constants.
-            donate_argnums: Positional arguments whose buffers the function may reuse.
+            static_argnums: Positional arguments that are compile-time constants: an index or
+                a sequence of them (negative ones count from the end). They get no entry in
+                ``in_axis_resources``.
+            donate_argnums: Positional arguments whose buffers the function may reuse, indexed
+                like ``static_argnums`` (among all positional arguments).
 
         Returns:
-            A :class:`PartitionedFunction`.
+            A :class:`PartitionedFunction`, which takes its arguments by position only.
+
+        Raises:
+            EscaleTypeError: If ``fn`` is not a function, ``static_argnums`` or
+                ``donate_argnums`` is not an int or a sequence of ints, or ``in_axis_resources``
+                is a tuple whose length does not fit ``fn``'s positional parameters less the
+                static ones.
+            EscaleError: If an index in ``static_argnums`` or ``donate_argnums`` is past
+                ``fn``'s positional parameters, or one argument is both static and donated.
 
         Example:
             >>> import jax.numpy as jnp
@@ -259,12 +291,19 @@ class Partitioner(DataPartitioning, StatePartitioning):
             P('fsdp',)
         """
         check.callable_(fn, "fn", "pass the step function itself, e.g. partition(train_step, ...).")
+        positional = _positional_parameters(fn)
+        static = _argnums(static_argnums, "static_argnums", fn, positional)
+        donate = _argnums(donate_argnums, "donate_argnums", fn, positional)
+        _check_not_both(static, donate, positional)
+        in_shardings = self._shardings(in_axis_resources)
+        out_shardings = self._shardings(out_axis_resources)
+        _check_arity(fn, in_axis_resources, static, positional)
         jitted = jax.jit(
             fn,
-            in_shardings=self._shardings(in_axis_resources),
-            out_shardings=self._shardings(out_axis_resources),
-            static_argnums=static_argnums,
-            donate_argnums=donate_argnums,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            static_argnums=static,
+            donate_argnums=donate,
         )
         return PartitionedFunction(jitted, self.mesh, self.logical_axis_rules)
 
@@ -310,3 +349,110 @@ def _check_rules_fit(rules: LogicalRules, mesh: Mesh) -> None:
             "PartitionAxis whose fields name only its axes, say), or build the mesh with those "
             "axes (of size 1 where unused)."
         )
+
+
+# partition()'s checks of its function's positional parameters, which jax.jit reports (if at
+# all) with errors that name neither the argument nor what to pass.
+
+
+def _positional_parameters(fn: Callable[..., Any]) -> tuple[int, int | None] | None:
+    """``(required, most)`` positional parameters of ``fn`` (``most`` None with ``*args``).
+
+    None when ``fn``'s signature cannot be read (some builtins): then nothing is checked.
+    """
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in parameters if p.kind in kinds]
+    required = sum(p.default is inspect.Parameter.empty for p in positional)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return required, None
+    return required, len(positional)
+
+
+def _signature_text(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"{name}{inspect.signature(fn)}"
+
+
+def _argnums(
+    value: Any, argument: str, fn: Callable[..., Any], positional: tuple[int, int | None] | None
+) -> tuple[int, ...]:
+    """``value`` (an index or a sequence of them) as a tuple of ints within ``fn``'s parameters.
+
+    A bool is refused: jax.jit would take ``True`` as the index 1.
+    """
+    items = value if isinstance(value, Sequence) and not isinstance(value, str) else (value,)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise EscaleTypeError(
+                f"{argument} must be an int or a sequence of ints (indices of fn's positional "
+                f"arguments), got {check.describe(value)}; pass e.g. 1 or (0, 2), or () for none."
+            )
+    indices = tuple(int(item) for item in items)
+    most = None if positional is None else positional[1]
+    if most is None:
+        return indices
+    for index in indices:
+        if not -most <= index < most:
+            allowed = (
+                f"indices from 0 to {most - 1} (or -{most} to -1, from the end)"
+                if most
+                else "() (it takes none)"
+            )
+            raise EscaleError(
+                f"{argument} {value!r} names the positional argument {index}, but fn "
+                f"{_signature_text(fn)} takes {most} positional argument(s); pass {allowed}."
+            )
+    return indices
+
+
+def _check_not_both(
+    static: tuple[int, ...], donate: tuple[int, ...], positional: tuple[int, int | None] | None
+) -> None:
+    # Without a known count, negative indices cannot be compared with positive ones.
+    most = None if positional is None else positional[1]
+    normal = (lambda i: i % most) if most else (lambda i: i)
+    both = sorted({normal(i) for i in static} & {normal(i) for i in donate})
+    if both:
+        raise EscaleError(
+            f"static_argnums {static} and donate_argnums {donate} both name the positional "
+            f"argument {both[0]}; a static argument is a compile-time constant, not a buffer to "
+            "donate: drop it from one of them."
+        )
+
+
+def _check_arity(
+    fn: Callable[..., Any],
+    resources: Any,
+    static: tuple[int, ...],
+    positional: tuple[int, int | None] | None,
+) -> None:
+    """Refuses a tuple of specs that no call of ``fn`` could match one to one.
+
+    jax.jit wants one spec per positional argument that is not static, and takes none by
+    keyword; so a call passes ``k`` positional arguments, ``required <= k <= most``, of which
+    those not in ``static`` (negative indices counting from ``k``) get the specs.
+    """
+    if type(resources) is not tuple or positional is None:  # a PartitionSpec is a tuple too
+        return
+    required, most = positional
+    count = len(resources)
+    # Each call's non-static count is at least k - len(static), so larger k cannot match.
+    highest = count + len(static) if most is None else min(most, count + len(static))
+
+    def dynamic(k: int) -> int:
+        taken = {i + k if i < 0 else i for i in static}
+        return k - len({i for i in taken if 0 <= i < k})
+
+    if any(dynamic(k) == count for k in range(required, highest + 1)):
+        return
+    takes = f"{required}" if most == required else f"{required} to {most or 'any number of'}"
+    raise EscaleTypeError(
+        f"in_axis_resources gives {count} spec(s) (a tuple of {count}), one per positional "
+        f"argument that is not static, but fn {_signature_text(fn)} takes {takes} positional "
+        f"argument(s) with static_argnums {static}; give one spec per argument of fn, less the "
+        "static ones (e.g. (None,) * n), or one spec (not a tuple) for all of them."
+    )

@@ -56,7 +56,8 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
 
     Raises:
         EscaleError: If ``directory`` exists and ``force`` is false; if it is a file, or a
-            directory that holds something other than a checkpoint; if its name is reserved;
+            directory that holds something other than a checkpoint; if its name is reserved
+            or holds a NUL character;
             or if it cannot be written (a read-only or missing file system, a parent that is
             a file) or replaced (a read-only checkpoint).
             If writing fails (a full disk, say), or an array of ``tree`` was deleted (donated
@@ -124,9 +125,10 @@ def restore_checkpoint(
         The restored tree, every array in its target sharding.
 
     Raises:
-        EscaleError: If there is no complete checkpoint at ``directory``, the target's
-            structure, shapes or (without ``cast``) dtypes differ from the saved ones, or a
-            target leaf has no sharding, or ``shardings`` is not shaped like ``target``.
+        EscaleError: If ``directory`` holds a NUL character, there is no complete checkpoint
+            at it, the target's structure, shapes or (without ``cast``) dtypes differ from the
+            saved ones, or a target leaf has no sharding, or ``shardings`` is not shaped like
+            ``target``.
         EscaleTypeError: If ``directory`` is not a path, ``target`` holds no array, a
             ``shardings`` leaf is not a ``NamedSharding``, or ``cast`` is not a bool.
 

@@ -358,6 +358,60 @@ CASES = [
         id="eformer-pattern-empty-axis",
     ),
     case(
+        lambda: fe.eformer.create_pattern_based_partition_spec("(attn|mlp)/kernel->tp"),
+        fes.PartitionRuleError,
+        "pattern '(attn|mlp)/kernel->tp': in the rule '(attn|mlp)/kernel->tp'",
+        "'(attn' is not a valid regex",
+        r"'\|' separates the regexes of one rule.*write alternatives as separate regexes",
+        id="eformer-pattern-alternation-in-a-regex",
+    ),
+    case(
+        lambda: fe.eformer.create_pattern_based_partition_spec(r"layer_\d{1,2}/kernel->tp"),
+        fes.PartitionRuleError,
+        "pattern 'layer_\\\\d{1,2}/kernel->tp'",
+        "'layer_\\\\d{1'",
+        r"',' separates rules.*spell out a \{m,n\} repeat",
+        id="eformer-pattern-repeat-with-a-comma",
+    ),
+    case(
+        lambda: fe.eformer.MeshPartitionHelper(mesh_dp_tp()).create_partition_spec(
+            (64, 64), [("tp",)], min_shard_size=float("nan")
+        ),
+        T,
+        "min_shard_size",
+        "float nan",
+        "an int of at least 0",
+        id="eformer-MeshPartitionHelper-create_partition_spec-min-nan",
+    ),
+    case(
+        lambda: fe.eformer.MeshPartitionHelper(mesh_dp_tp()).create_partition_spec(
+            (64, 64), [("tp",)], min_shard_size=-1
+        ),
+        fe.EscaleError,
+        "min_shard_size",
+        "-1",
+        "an int of at least 0",
+        id="eformer-MeshPartitionHelper-create_partition_spec-min-negative",
+    ),
+    case(
+        lambda: fe.eformer.MeshPartitionHelper(mesh_dp_tp()).create_partition_spec(
+            (64, 64), [("tp",)], min_shard_size=True
+        ),
+        T,
+        "min_shard_size",
+        "bool True",
+        "an int of at least 0",
+        id="eformer-MeshPartitionHelper-create_partition_spec-min-bool",
+    ),
+    case(
+        lambda: fe.eformer.MeshPartitionHelper(mesh_dp_tp()).partition_specs({}, min_shard_size=-1),
+        fe.EscaleError,
+        "min_shard_size",
+        "-1",
+        "an int of at least 0",
+        id="eformer-MeshPartitionHelper-partition_specs-min-negative-empty-tree",
+    ),
+    case(
         lambda: fe.eformer.MeshPartitionHelper(mesh5()).suggest_methods(1024),
         T,
         "array_shape",

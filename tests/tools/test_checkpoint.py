@@ -85,3 +85,15 @@ def test_errors(tmp_path):
         fe.restore_checkpoint(tmp_path / "missing", tree)
     with pytest.raises(fe.EscaleError, match="NamedSharding"):
         fe.restore_checkpoint(tmp_path / "c", {"w": np.zeros((8, 2))})
+
+
+def test_a_path_with_a_nul_character_is_refused_before_anything_is_written(tmp_path):
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    tree = {"w": jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, P("fsdp")))}
+    bad = str(tmp_path / "c\0k")
+    message = r"directory must be a path without NUL characters, got '.*c\\x00k'.*remove"
+    with pytest.raises(fe.EscaleError, match=message):
+        fe.save_checkpoint(bad, tree)
+    with pytest.raises(fe.EscaleError, match=message):
+        fe.restore_checkpoint(bad, tree)
+    assert list(tmp_path.iterdir()) == []
