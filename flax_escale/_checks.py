@@ -73,7 +73,8 @@ def describe(value: Any) -> str:
     if value is None:
         return "None"
     shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype") and len(shape) > 0:
+    # Only a tuple of sizes is a shape: an nnx.Rngs answers any attribute with a stream.
+    if isinstance(shape, tuple) and hasattr(value, "dtype") and len(shape) > 0:
         # An array's repr spans lines and says little; its type, shape and dtype say it all.
         return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}"
     text = repr(value)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -14,8 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale._frontend import _pipeline as pipeline
 from flax_escale._frontend._overrides import Overrides
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.nnx._annotate import collecting_unused
+from flax_escale.nnx._signature import binding_error, shown, signature
 from flax_escale.plan import PlanEntry, ShardingPlan, annotated_leaves
 from flax_escale.plan._optimizer import follow_shardings
 from flax_escale.plan._paths import flatten_with_paths
@@ -56,7 +59,8 @@ def init_optimizer(
     Args:
         model: A module whose tracked variables are sharded (from :func:`init_sharded`).
         tx: The optax transformation.
-        wrt: Which variables the optimizer updates, as ``nnx.Optimizer`` takes it.
+        wrt: Which variables the optimizer updates, an NNX filter as ``nnx.Optimizer`` takes
+            it; it must select at least one.
         shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
 
     Returns:
@@ -64,7 +68,10 @@ def init_optimizer(
 
     Raises:
         EscaleTypeError: If ``model`` is not an NNX module or its variables are not sharded on
-            one mesh, or ``tx`` is not an optax transformation.
+            one mesh, ``tx`` is not an optax transformation, or ``wrt`` is not an NNX filter
+            (a function of other than ``(path, value)``, say).
+        EscaleError: If ``wrt`` selects none of the model's variables: the optimizer would
+            update nothing.
 
     Example:
         >>> import optax
@@ -84,11 +91,55 @@ def init_optimizer(
     if not isinstance(model, nnx.Module):
         raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
     tx = check.transformation(tx, "tx")
+    _check_wrt(wrt, model)
     layout = optimizer_layout(model, tx, wrt=wrt, shard_over=check.names(shard_over, "shard_over"))
     with nnx.use_eager_sharding(False):
         init = jax.jit(lambda s: nnx.state(layout.make(s)), out_shardings=layout.shardings)
         opt_state = init(layout.state)
     return nnx.merge(layout.graphdef, opt_state)
+
+
+def _check_wrt(wrt: Any, model: nnx.Module) -> None:
+    # Flax answers a filter it cannot read with an error of its own format string, calls a
+    # function of the wrong arity deep inside nnx.state, and from a filter that selects nothing
+    # (a string is a tag, not a collection name) builds an optimizer that silently never trains.
+    hint = "pass nnx.Param (the default) or a filter selecting the variables to train"
+    _check_filter(wrt, wrt, hint)
+    if jax.tree.leaves(nnx.state(model, wrt)):
+        return
+    kinds = sorted(
+        {type(v).__name__ for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    )
+    holds = f"it holds {', '.join(kinds)}" if kinds else "it holds no variables"
+    tag = (
+        " (a string selects variables by tag, not by collection name)"
+        if isinstance(wrt, str)
+        else ""
+    )
+    raise EscaleError(
+        f"wrt {check.describe(wrt)} selects none of the model's variables ({holds}){tag}, so "
+        f"the optimizer would update nothing; {hint}."
+    )
+
+
+def _check_filter(part: Any, wrt: Any, hint: str) -> None:
+    if isinstance(part, (list, tuple)):
+        for each in part:
+            _check_filter(each, wrt, hint)
+        return
+    if isinstance(part, (str, type, bool)) or part is None or part is Ellipsis:
+        return
+    if not callable(part):
+        raise EscaleTypeError(
+            f"wrt must be an NNX filter (a Variable type such as nnx.Param, a tag string, a "
+            f"function of (path, value), or a list of them), got {check.describe(wrt)}; {hint}."
+        )
+    error = binding_error(part, ("path", "value"), {})
+    if error is not None:
+        raise EscaleTypeError(
+            f"wrt {shown(part)} is called with (path, value) for each variable "
+            f"({error}); give the function exactly those 2 parameters, or {hint}."
+        )
 
 
 class OptimizerLayout(NamedTuple):
@@ -155,12 +206,20 @@ class NnxFrontEnd:
     def check(
         self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any
     ) -> pipeline.ModelCall:
-        """Checks that ``model`` builds an NNX module; seeds become keys (once)."""
+        """Checks that ``model`` builds an NNX module, called with ``args`` and ``rngs=``.
+
+        Seeds become keys (once).
+
+        Raises:
+            EscaleTypeError: If ``model`` is not callable, or its signature does not take
+                ``args``, ``kwargs`` and ``rngs=``.
+        """
         del method  # Linen's; NNX entry points have none
         if not callable(model) or isinstance(model, nnx.Module):
             raise EscaleTypeError(
                 f"model must be an NNX module class or a callable taking rngs=, got {model!r}."
             )
+        _check_constructor(model, args, kwargs)
         return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
 
     def trace(
@@ -220,6 +279,52 @@ def _request(
         strict=strict,
         overrides=overrides,
         use_idle_axes=use_idle_axes,
+    )
+
+
+def _check_constructor(model: Any, args: tuple, kwargs: dict) -> None:
+    # Checked here, not left to the call: that happens while tracing, where Python's error
+    # names neither the argument nor how the entry points call the model.
+    if "rngs" in kwargs:
+        raise EscaleTypeError(
+            f"model {shown(model)} gets its rngs from rng, but rngs= (a "
+            f"{type(kwargs['rngs']).__name__}) was passed as one of its keyword arguments too; "
+            "drop it and pass its seed or key as rng."
+        )
+    error = binding_error(model, args, {**kwargs, "rngs": None})
+    if error is None:
+        return
+    given = f"{len(args)} positional argument(s)" + (
+        f" and the keywords {', '.join(kwargs)}" if kwargs else ""
+    )
+    example = model.__name__ if isinstance(model, type) else "Model"
+    if _takes_rngs(model):
+        hint = (
+            "pass its other arguments after rng, as init_sharded(model, mesh, rng, *args, "
+            f"**kwargs), or a factory such as lambda rngs: {example}(..., rngs=rngs)"
+        )
+    else:
+        hint = (
+            "it must take the keyword argument rngs: give it an rngs parameter, or pass a "
+            f"factory such as lambda rngs: {example}(..., rngs=rngs)"
+        )
+    raise EscaleTypeError(
+        f"model {shown(model)} cannot be built as model(*args, rngs=nnx.Rngs(rng), **kwargs) with "
+        f"{given} ({error}); {hint}."
+    )
+
+
+def _takes_rngs(model: Any) -> bool:
+    while isinstance(model, functools.partial):
+        model = model.func
+    return any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD
+        or (
+            parameter.name == "rngs"
+            and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY
+            and parameter.kind is not inspect.Parameter.VAR_POSITIONAL
+        )
+        for parameter in signature(model).parameters.values()
     )
 
 

@@ -9,7 +9,6 @@ so the same values (the README's benchmark B1 measures both).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -18,6 +17,7 @@ from flax import nnx
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleTypeError
 from flax_escale.nnx._annotate import stacked
+from flax_escale.nnx._signature import binding_error, shown
 
 __all__ = ["stack_layers"]
 
@@ -67,15 +67,12 @@ def stack_layers(
     count = check.positive_int(count, "count")
     if not isinstance(rngs, nnx.Rngs):
         raise EscaleTypeError(f"rngs must be an nnx.Rngs, got {check.describe(rngs)}.")
-    try:
-        inspect.signature(make).bind(rngs)
-    except TypeError:
+    # A module class is read by its __init__: Flax's metaclass shows (*args, **kwargs).
+    if binding_error(make, (rngs,), {}) is not None:
         raise EscaleTypeError(
-            f"make must take one argument, the layer's nnx.Rngs, got {check.describe(make)}; "
-            "pass e.g. lambda rngs: Block(config, rngs=rngs)."
-        ) from None
-    except ValueError:  # no signature to read (a builtin): it is called as it is
-        pass
+            f"make must take one argument, the layer's nnx.Rngs, got {shown(make)}; pass e.g. "
+            "lambda rngs: Block(config, rngs=rngs)."
+        )
 
     @nnx.split_rngs(splits=count)
     @nnx.scan(in_axes=(0,), out_axes=0, transform_metadata=stacked(name), length=count)

@@ -379,8 +379,16 @@ def _read_cache(cache_dir: Path | None, key: str) -> dict[str, Any] | None:
 def _write_cache(cache_dir: Path | None, key: str, figures: Figures) -> None:
     if cache_dir is None:
         return
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Written whole, then renamed: a reader never sees half a file.
-    partial = cache_dir / f"{key}.json.partial"
-    partial.write_text(json.dumps(figures.as_json()))
-    partial.replace(cache_dir / f"{key}.json")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # Written whole, then renamed: a reader never sees half a file.
+        partial = cache_dir / f"{key}.json.partial"
+        partial.write_text(json.dumps(figures.as_json()))
+        partial.replace(cache_dir / f"{key}.json")
+    except OSError as error:
+        # plan_mesh checks the directory up front; what only writing tells (a file system
+        # that refuses it, a disk full) is said here, naming the cache rather than the file.
+        raise EscaleError(
+            f"cache: cannot keep the compiled candidates' figures in {str(cache_dir)!r} "
+            f"({error.strerror or error}); give a directory you can write in, or cache=False."
+        ) from error

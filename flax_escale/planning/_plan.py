@@ -127,8 +127,10 @@ def plan_mesh(
         ``table()``, ``recommendation()``.
 
     Raises:
-        EscaleError: For a budget or profile that cannot be used, or if the child process
-            fails (its last output lines are in the message).
+        EscaleError: For a budget or profile that cannot be used (a memory of 0 included), a
+            cache directory that cannot be created or written, a step or loss that traces on
+            no mesh (what it returned is in the message), or if the child process fails (its
+            last output lines are in the message).
         EscaleTypeError: For arguments of the wrong type, or a workload the child process
             could not import.
     """
@@ -140,7 +142,10 @@ def plan_mesh(
         )
     chosen = Target.named(target, devices=devices, slices=slices)
     profile = hardware_profile(profile if profile is not None else chosen.profile or "h100")
-    memory = next((m for m in (memory, chosen.memory_bytes, profile.memory_bytes) if m), None)
+    # Only None is not given: a memory of 0 is refused, not taken for the profile's.
+    memory = next(
+        (m for m in (memory, chosen.memory_bytes, profile.memory_bytes) if m is not None), None
+    )
     if memory is None:
         raise EscaleError(
             f"memory: the profile {profile.name!r} has no memory size; pass memory='16GiB'."
@@ -230,8 +235,14 @@ def load_factory(reference: str) -> Factory:
     """The function a ``"module:function"`` or ``"path/to/file.py:function"`` reference names.
 
     Raises:
-        EscaleTypeError: If the reference is malformed, or the module or function is missing.
+        EscaleTypeError: If the reference is not a string or is malformed, or the module or
+            function is missing.
     """
+    if not isinstance(reference, str):
+        raise EscaleTypeError(
+            f"workload: the reference must be a string, got {check.describe(reference)}; write "
+            "it MODULE:FUNCTION, such as 'my_models:workload' or 'path/to/train.py:workload'."
+        )
     module_name, sep, attribute = reference.rpartition(":")
     if not sep or not module_name or not attribute:
         raise EscaleTypeError(
@@ -368,8 +379,28 @@ def _cache_dir(cache: bool | str | os.PathLike[str]) -> Path | None:
                 f"cache: {os.fspath(cache)!r} is a file, not a directory; give a directory for "
                 "the compiled candidates' figures (it is created if missing), or cache=False."
             )
+        _check_creatable(Path(cache))
         return Path(cache)
     raise EscaleTypeError(f"cache must be True, False or a directory, got {check.describe(cache)}.")
+
+
+def _check_creatable(cache: Path) -> None:
+    # Said before anything compiles, rather than when the first figures are written: the
+    # directory must exist or be creatable, so its nearest existing ancestor must be a
+    # directory this process can write in.
+    ancestor = cache.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise EscaleError(
+            f"cache: {os.fspath(cache)!r} cannot be created, as {str(ancestor)!r} is a file, not "
+            "a directory; give a directory for the compiled candidates' figures, or cache=False."
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise EscaleError(
+            f"cache: {os.fspath(cache)!r} cannot be written, as {str(ancestor)!r} is not a "
+            "writable directory; give a directory you can write in, or cache=False."
+        )
 
 
 class _Events:

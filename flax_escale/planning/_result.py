@@ -10,11 +10,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from flax_escale import _checks as check
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
 from flax_escale.plan._plan import format_bytes
 from flax_escale.planning._estimate import ESTIMATE_TERMS, estimate_seconds, explain
 from flax_escale.planning._evaluate import Figures
-from flax_escale.planning._profiles import HardwareProfile
+from flax_escale.planning._profiles import HardwareProfile, hardware_profile
 from flax_escale.tools._reshardings import summarize
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
@@ -88,11 +89,20 @@ class Candidate:
         )
         return cls(figures, peak <= memory_bytes, compute, communication)
 
-    def explain(self, profile: HardwareProfile) -> str:
+    def explain(self, profile: HardwareProfile | str) -> str:
         """Why its estimate is what it is (see :func:`~flax_escale.planning._estimate.explain`).
 
         Empty for a mesh that was not compiled.
+
+        Args:
+            profile: The hardware the estimate is explained on: a :class:`HardwareProfile`,
+                or the name of a built-in one (:data:`~flax_escale.planning.PROFILES`).
+
+        Raises:
+            EscaleError: For an unknown profile name.
+            EscaleTypeError: For anything but a profile or its name.
         """
+        profile = hardware_profile(profile)
         if self.compute_seconds is None or self.communication_seconds is None:
             return ""
         f = self.figures
@@ -205,7 +215,14 @@ class MeshPlan:
         )
 
     def table(self, top: int | None = None) -> Table:
-        """The plan as a ``rich`` table (the first ``top`` candidates, or all)."""
+        """The plan as a ``rich`` table (the first ``top`` candidates, or all).
+
+        Raises:
+            EscaleError: If ``top`` is below 1.
+            EscaleTypeError: If ``top`` is neither ``None`` nor an int.
+        """
+        if top is not None:
+            top = check.positive_int(top, "top")
         table = Table(
             title=(
                 f"{self.devices} devices, {format_bytes(self.memory_bytes)} each, estimated on "

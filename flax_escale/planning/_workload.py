@@ -74,6 +74,10 @@ class Workload:
         use_idle_axes: As :func:`~flax_escale.plan_sharding` takes it.
         shard_over: Mesh axes the optimizer state is also split over (ZeRO-1).
         init_kwargs: Keyword arguments for ``model.init`` (Linen) or the constructor (NNX).
+
+    Raises:
+        EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays, or a
+            ``step`` or ``loss`` that is not a function taking the arguments it is called with.
     """
 
     model: Any
@@ -119,9 +123,17 @@ class Workload:
                     f"Workload: batch[{i}] is {check.describe(leaf)}, not an array; pass arrays "
                     "or jax.ShapeDtypeStruct."
                 )
-        for name in ("step", "loss"):
-            if getattr(self, name) is not None:
-                check.callable_(getattr(self, name), f"Workload {name}")
+        if self.loss is not None:
+            check.callable_(self.loss, "Workload loss")
+            _takes(self.loss, "loss", ("outputs",), self.batch)
+        if self.step is not None:
+            check.callable_(self.step, "Workload step")
+            _takes(
+                self.step,
+                "step",
+                ("state",) if self.is_linen else ("model", "optimizer"),
+                self.batch,
+            )
         object.__setattr__(self, "shard_over", check.names(self.shard_over, "Workload shard_over"))
         # The model, its arguments and the options are checked here, once for every mesh.
         _ = self.call, self.options
@@ -177,6 +189,17 @@ class Workload:
         return pipeline.lower(self.request(mesh), self.traced)[2]
 
 
+def _takes(
+    fn: Callable[..., Any], name: str, first: tuple[str, ...], batch: tuple[Any, ...]
+) -> None:
+    # Checked against the call the training step makes, so that a wrong signature is said once,
+    # here, rather than as Python's error from inside the trace on every mesh.
+    arguments = [*first, *(f"batch[{i}]" for i in range(len(batch)))]
+    check.takes_positional(
+        fn, len(arguments), f"Workload {name}", f"{name}({', '.join(arguments)})"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """A workload on one mesh, lowered: its plan, init and step, and the state's bytes.
@@ -216,6 +239,12 @@ def lower_programs(workload: Workload, mesh: Mesh, plan: ShardingPlan | None = N
 
     Returns:
         The :class:`Programs`.
+
+    Raises:
+        EscaleTypeError: If the step does not return what it should (Linen: the updated
+            ``TrainState`` and arrays; NNX: arrays), or the loss returns no floating-point
+            value.
+        EscaleError: If the loss returns an array that is not a scalar.
     """
     plan = workload.plan(mesh) if plan is None else plan
     init = workload.lower_init(mesh)
@@ -272,18 +301,78 @@ def _linen_state(
     state = TrainState(
         step=step, apply_fn=workload.model.apply, params=params, tx=tx, opt_state=opt
     )
-    return state, workload.step or _linen_step(workload.loss or mean_square)
+    user_step = workload.step or _linen_step(workload.loss or mean_square)
+
+    def checked_step(state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
+        return _linen_result(user_step(state, *batch), state)
+
+    return state, checked_step
 
 
 def _linen_step(loss: Callable[..., Any]) -> Callable[..., Any]:
     def step(state: TrainState, *batch: Any) -> tuple[TrainState, jax.Array]:
         def objective(params: Any) -> jax.Array:
-            return loss(state.apply_fn({"params": params}, *batch), *batch)
+            return _scalar_loss(loss(state.apply_fn({"params": params}, *batch), *batch))
 
         value, grads = jax.value_and_grad(objective)(state.params)
         return state.apply_gradients(grads=grads), value
 
     return step
+
+
+def _linen_result(result: Any, state: TrainState) -> tuple[TrainState, Any]:
+    # The step is jitted with the state's shardings out: anything but a state of the same
+    # structure would fail there as JAX's "Mismatch details", which names no argument.
+    if not (isinstance(result, tuple) and len(result) == 2):
+        # A traced TrainState's repr is a page of tracers: its type says enough.
+        got = "the TrainState alone" if isinstance(result, TrainState) else check.describe(result)
+        raise EscaleTypeError(
+            f"Workload step must return (state, aux), got {got}; end it with "
+            "`return state.apply_gradients(grads=grads), loss`."
+        )
+    if jax.tree.structure(result[0]) != jax.tree.structure(state):
+        got = (
+            "a TrainState of another structure (another apply_fn, tx or opt_state)"
+            if isinstance(result[0], TrainState)
+            else check.describe(result[0])
+        )
+        raise EscaleTypeError(
+            f"Workload step must return (state, aux) with the TrainState it was given, updated; "
+            f"its state is {got}; return state.apply_gradients(grads=grads) or "
+            "state.replace(...)."
+        )
+    return result[0], _aux(result[1])
+
+
+def _aux(aux: Any) -> Any:
+    # What the step reports comes out of the jitted step, which takes arrays and numbers only.
+    for leaf in jax.tree.leaves(aux):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+            raise EscaleTypeError(
+                f"Workload step: what it returns besides the state holds {check.describe(leaf)}, "
+                "not an array; return arrays or numbers (the loss, metrics), or None."
+            )
+    return aux
+
+
+def _scalar_loss(value: Any) -> Any:
+    # jax.grad's own errors ("Gradient only defined for scalar-output functions") name neither
+    # the loss nor what it should return.
+    hint = "return one floating-point scalar, such as jnp.mean((outputs - targets) ** 2)"
+    if isinstance(value, (float, np.floating)):
+        return value
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise EscaleTypeError(f"Workload loss returned {check.describe(value)}; {hint}.")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise EscaleTypeError(
+            f"Workload loss returned an array of dtype {value.dtype}; {hint} (cast with "
+            ".astype(jnp.float32))."
+        )
+    if value.shape != ():
+        raise EscaleError(
+            f"Workload loss returned an array of shape {tuple(value.shape)}, not a scalar; {hint}."
+        )
+    return value
 
 
 def _nnx_state(
@@ -299,7 +388,7 @@ def _nnx_state(
 
     def step(state: nnx.State, *batch: Any) -> tuple[nnx.State, Any]:
         model, optimizer = nnx.merge(pair_graphdef, state)
-        aux = user_step(model, optimizer, *batch)
+        aux = _aux(user_step(model, optimizer, *batch))
         return nnx.state((model, optimizer)), aux
 
     return state, step
@@ -307,7 +396,7 @@ def _nnx_state(
 
 def _nnx_step(loss: Callable[..., Any]) -> Callable[..., Any]:
     def step(model: nnx.Module, optimizer: nnx.Optimizer, *batch: Any) -> jax.Array:
-        value, grads = nnx.value_and_grad(lambda m: loss(m(*batch), *batch))(model)
+        value, grads = nnx.value_and_grad(lambda m: _scalar_loss(loss(m(*batch), *batch)))(model)
         optimizer.update(model, grads)
         return value
 

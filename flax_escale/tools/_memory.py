@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from flax_escale import _checks as check
-from flax_escale.errors import EscaleError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
 from flax_escale.plan._plan import format_bytes
 from flax_escale.tools._reshardings import Resharding, compile_collecting, summarize
@@ -111,8 +114,9 @@ def will_it_fit(
         A :class:`MemoryEstimate`.
 
     Raises:
-        EscaleTypeError: If ``fn`` is not a function (a name, say) or ``device_bytes`` is not a
-            positive int (``EscaleError`` for one below 1).
+        EscaleTypeError: If ``fn`` is not a function (a name, say), is a Flax module class or
+            a Linen module rather than a step, or cannot take ``*args`` and ``**kwargs``; or if
+            ``device_bytes`` is not a positive int (``EscaleError`` for one below 1).
         EscaleError: If an argument's mesh does not have the target's device count, or
             ``libtpu`` is missing for a TPU target.
 
@@ -131,6 +135,7 @@ def will_it_fit(
     fn = _jax_stage(fn)
     if not isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
         check.callable_(fn, "fn", "pass the step function itself (or its jax.jit), not its name.")
+        _check_step(fn, args, kwargs)
     if device_bytes is not None:
         device_bytes = check.positive_int(device_bytes, "device_bytes")
     if target is not None:
@@ -160,6 +165,41 @@ def will_it_fit(
         backend=device.platform,
         reshardings=reshardings,
     )
+
+
+def _check_step(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    # Each would otherwise fail inside jax.jit's tracing, with errors that name no argument: a
+    # module class "returns" an instance JAX cannot take, a Linen module is not bound, and a
+    # function missing an argument is Python's TypeError.
+    linen = isinstance(fn, nn.Module) or (isinstance(fn, type) and issubclass(fn, nn.Module))
+    if linen or (isinstance(fn, type) and issubclass(fn, nnx.Module)):
+        kind = ("Linen" if linen else "NNX") + (
+            " module class" if isinstance(fn, type) else " module"
+        )
+        name = fn.__name__ if isinstance(fn, type) else type(fn).__name__
+        example = (
+            "lambda x: model.apply(variables, x)"
+            if linen
+            else "lambda model, x: model(x), with the built model among the arguments"
+        )
+        raise EscaleTypeError(
+            f"fn must be the step function, got the {kind} {name}; pass a "
+            f"function that runs it, e.g. {example}."
+        )
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to read (a builtin): lowering says what is wrong
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        keywords = f" and the keywords {', '.join(kwargs)}" if kwargs else ""
+        raise EscaleTypeError(
+            f"fn {name}{signature} cannot take the {len(args)} example argument(s){keywords} "
+            f"given ({error}); pass the arguments it takes after it, as will_it_fit(fn, *args, "
+            "**kwargs)."
+        ) from None
 
 
 def _device_of(compiled: jax.stages.Compiled) -> jax.Device:

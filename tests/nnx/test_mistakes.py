@@ -1,9 +1,13 @@
 """Mistakes users make with ``flax_escale.nnx``, one case each.
 
-Cases for ``init_optimizer`` and ``stacked``. What a case asserts, and the rest of the table:
-``support/mistakes.py``.
+Cases for ``init_optimizer`` (its ``wrt`` filter too), ``stacked``, ``stack_layers`` and the NNX
+constructors that ``init_sharded`` and ``plan_sharding`` call. What a case asserts, and the rest
+of the table: ``support/mistakes.py``.
 """
 
+import functools
+
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 from support.mistakes import (
@@ -12,11 +16,29 @@ from support.mistakes import (
     T,
     _Up,
     case,
+    mesh5,
     raises_a_library_error,
 )
 
 import flax_escale as fe
 from flax_escale import nnx as fen
+
+
+# Named with an underscore, as the messages of the cases that pass the classes show them.
+class _Sized(nnx.Module):
+    def __init__(self, din, rngs):
+        self.wi = nnx.Linear(din, 8, use_bias=False, rngs=rngs)
+
+
+class _NoRngs(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros((4, 4)))
+
+
+def _built():
+    """A model whose only variable is a Param, built sharded."""
+    return fe.init_sharded(_Up, mesh5(), 0)
+
 
 CASES = [
     # --- a string where a sequence of names is expected -------------------------------------
@@ -62,6 +84,129 @@ CASES = [
         "''",
         "pass e.g. 'layers'",
         id="nnx-stacked-empty",
+    ),
+    # --- a filter of what to optimize that is none, or selects nothing ----------------------
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=3),
+        T,
+        "wrt",
+        "int 3",
+        r"pass nnx\.Param \(the default\)",
+        id="nnx-init_optimizer-wrt-int",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=[nnx.Param, 3.5]),
+        T,
+        "wrt",
+        "3.5",
+        r"pass nnx\.Param \(the default\)",
+        id="nnx-init_optimizer-wrt-list-with-float",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=lambda: True),
+        T,
+        "wrt",
+        "<lambda>()",
+        r"\(path, value\).*exactly those 2 parameters",
+        id="nnx-init_optimizer-wrt-arity",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=lambda path, value: None),
+        fe.EscaleError,
+        "wrt",
+        "function",
+        r"selects none of the model's variables \(it holds Param\).*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-selects-nothing",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt="params"),
+        fe.EscaleError,
+        "wrt",
+        "'params'",
+        r"selects variables by tag, not by collection name.*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-collection-name",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=nnx.BatchStat),
+        fe.EscaleError,
+        "wrt",
+        "BatchStat",
+        r"selects none of the model's variables.*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-absent-type",
+    ),
+    # --- a constructor that cannot be called as model(*args, rngs=..., **kwargs) ------------
+    case(
+        lambda: fe.init_sharded(_Sized, mesh5(), 0),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"missing a required argument: 'din'.*after rng.*lambda rngs: _Sized\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-class-missing-argument",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Sized, mesh5(), 0),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"missing a required argument: 'din'.*after rng",
+        id="nnx-plan_sharding-class-missing-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(_Sized, mesh5(), 0, 4, 5),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"2 positional argument.*after rng",
+        id="nnx-init_sharded-class-extra-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(lambda: _Up(nnx.Rngs(0)), mesh5(), 0),
+        T,
+        "model",
+        "<lambda>()",
+        r"unexpected keyword argument 'rngs'.*must take the keyword argument rngs",
+        id="nnx-init_sharded-factory-without-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(lambda r: _Up(r), mesh5(), 0),
+        T,
+        "model",
+        "<lambda>(r)",
+        r"must take the keyword argument rngs.*lambda rngs: Model\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-factory-rngs-misnamed",
+    ),
+    case(
+        lambda: fe.init_sharded(_NoRngs, mesh5(), 0),
+        T,
+        "model",
+        "_NoRngs()",
+        r"must take the keyword argument rngs",
+        id="nnx-init_sharded-class-without-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(functools.partial(_Sized), mesh5(), 0),
+        T,
+        "model",
+        "functools.partial(<class",
+        r"missing a required argument: 'din'",
+        id="nnx-init_sharded-partial-missing-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), 0, rngs=nnx.Rngs(1)),
+        T,
+        "rngs",
+        "Rngs",
+        r"pass its seed or key as rng",
+        id="nnx-init_sharded-rngs-keyword",
+    ),
+    # --- a layer class given to stack_layers, whose metaclass hides its parameters ---------
+    case(
+        lambda: fen.stack_layers(nnx.Linear, 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "Linear(in_features, out_features",
+        r"lambda rngs: Block\(config, rngs=rngs\)",
+        id="nnx-stack_layers-layer-class",
     ),
 ]
 

@@ -89,10 +89,24 @@ def test_the_cpu_init_draws_one_layer_at_a_time(llama):
         (
             (lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 4, "rngs"),
             fe.EscaleTypeError,
-            r"make must take one argument, the layer's nnx.Rngs, got function",
+            r"make must take one argument, the layer's nnx.Rngs, got <lambda>\(\)",
+        ),
+        (
+            # Flax's metaclass shows a layer class as (*args, **kwargs): its __init__ is read.
+            (nnx.Linear, 4, "rngs"),
+            fe.EscaleTypeError,
+            r"make must take one argument, the layer's nnx.Rngs, got Linear\(in_features, "
+            r"out_features",
         ),
     ],
-    ids=["not callable", "count 0", "rngs an int", "returns an int", "takes no rngs"],
+    ids=[
+        "not callable",
+        "count 0",
+        "rngs an int",
+        "returns an int",
+        "takes no rngs",
+        "a layer class",
+    ],
 )
 def test_bad_arguments_are_refused(args, error, match):
     make, count, rngs = args

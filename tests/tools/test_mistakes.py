@@ -9,8 +9,11 @@ Cases for the report, the check and the estimate (``sharding_report``, ``check_s
 
 import sys
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.mistakes import (
@@ -456,6 +459,47 @@ CASES = [
         "70000",
         "from 1 to 65535",
         id="launch-port-out-of-range",
+    ),
+    # --- a step that cannot take the example arguments, or a module in its place -----------
+    case(
+        lambda: fe.will_it_fit(lambda x, y: x, X),
+        T,
+        "fn",
+        "<lambda>(x, y)",
+        r"missing a required argument: 'y'.*will_it_fit\(fn, \*args, \*\*kwargs\)",
+        id="will_it_fit-fn-missing-argument",
+    ),
+    case(
+        lambda: fe.will_it_fit(jax.jit(lambda x: x), X, y=X),
+        T,
+        "fn",
+        "<lambda>(x)",
+        r"unexpected keyword argument 'y'",
+        id="will_it_fit-jit-fn-unexpected-keyword",
+    ),
+    case(
+        lambda: fe.will_it_fit(nn.Dense, X),
+        T,
+        "fn",
+        "Linen module class Dense",
+        r"model\.apply\(variables, x\)",
+        id="will_it_fit-linen-class",
+    ),
+    case(
+        lambda: fe.will_it_fit(nn.Dense(4), X),
+        T,
+        "fn",
+        "Linen module Dense",
+        r"model\.apply\(variables, x\)",
+        id="will_it_fit-linen-module",
+    ),
+    case(
+        lambda: fe.will_it_fit(nnx.Linear, X),
+        T,
+        "fn",
+        "NNX module class Linear",
+        r"lambda model, x: model\(x\)",
+        id="will_it_fit-nnx-class",
     ),
 ]
 
