@@ -108,9 +108,12 @@ class Gpt(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         token = nn.Embed(c.vocab, c.hidden, name="token")
-        x = token(tokens) + nn.Embed(c.max_len, c.hidden, name="position")(
-            jnp.arange(tokens.shape[1])
-        )
+        position = nn.Embed(c.max_len, c.hidden, name="position")
+        # As FSDP gathers any weight whole before its use, the tables are gathered over the
+        # axes that split their features before the lookup: a gather cannot keep the features
+        # split, and XLA would otherwise replicate what it looked up to split it again.
+        x = jnp.take(fe.constrain(token.embedding, ("vocab", None)), tokens, axis=0)
+        x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
         x = fe.constrain(x, ACTIVATION)
         stack = nn.scan(
             Block,

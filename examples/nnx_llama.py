@@ -134,7 +134,11 @@ class Llama(nnx.Module):
         self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = fe.constrain(self.embed(tokens), ACTIVATION)
+        # As FSDP gathers any weight whole before its use, the table is gathered over the axes
+        # that split its features before the lookup: a gather cannot keep the features split,
+        # and XLA would otherwise replicate what it looked up to split it again.
+        table = fe.constrain(self.embed.embedding[...], ("vocab", None))
+        x = fe.constrain(jnp.take(table, tokens, axis=0), ACTIVATION)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=fen.stacked())
         def run(x: jax.Array, block: Block) -> jax.Array:
