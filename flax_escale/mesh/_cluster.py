@@ -18,6 +18,9 @@ import dataclasses
 import os
 from typing import Any
 
+import numpy as np
+
+from flax_escale import _checks as check
 from flax_escale._compat import jax_cluster_env
 from flax_escale.errors import MeshError
 
@@ -70,6 +73,12 @@ class ClusterInfo:
         process_id: This process's rank, from 0.
         local_device_ids: The devices this process may use, when the cluster restricts them
             (JAX gives each SLURM or Open MPI task on a GPU host its own GPU); ``None``: all.
+
+    Raises:
+        MeshError: If the address is not ``host:port``, ``num_processes`` is not a positive
+            int, ``process_id`` not an int from 0 to ``num_processes - 1`` (``True`` is not an
+            int here), or ``local_device_ids`` not ``None`` or a sequence of ints of at least 0.
+        EscaleTypeError: If ``environment`` is not a string.
     """
 
     environment: str
@@ -77,6 +86,40 @@ class ClusterInfo:
     num_processes: int
     process_id: int
     local_device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Every source is checked here, the arguments as much as a cluster's variables, so that
+        # a rank of True or a count of 0 cannot reach jax.distributed (which would hang or
+        # start a job of the wrong size); the message says where the bad value came from.
+        source = check.string(self.environment, "ClusterInfo environment", "'arguments'")
+        split_address(self.coordinator_address, source=source)
+        count, rank = self.num_processes, self.process_id
+        if not _is_int(count) or count < 1:
+            raise MeshError(
+                f"num_processes {count!r} (from {source}) must be a positive int: the number "
+                "of processes in the job."
+            )
+        if not _is_int(rank) or not 0 <= rank < count:
+            raise MeshError(
+                f"process_id {rank!r} is not in range for num_processes {count} (from "
+                f"{source}): pass an int rank from 0 to {count - 1}."
+            )
+        # Frozen: the plain ints (and a tuple of ids) go in through object.__setattr__.
+        object.__setattr__(self, "num_processes", int(count))
+        object.__setattr__(self, "process_id", int(rank))
+        ids = self.local_device_ids
+        if ids is not None:
+            if isinstance(ids, (str, bytes)) or not all(_is_int(i) and i >= 0 for i in ids):
+                raise MeshError(
+                    f"local_device_ids {ids!r} (from {source}) must be None (every device) or "
+                    "a sequence of device ids, ints of at least 0, such as (0, 1)."
+                )
+            object.__setattr__(self, "local_device_ids", tuple(int(i) for i in ids))
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int to Python, but num_processes=True is a mistake, not one process.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def detect_cluster(
@@ -103,7 +146,11 @@ def detect_cluster(
 
     Raises:
         MeshError: If a value is missing and no source has it, a variable does not parse, the
-            address is not ``host:port``, or the rank is out of range.
+            address is not ``host:port``, the process count is not a positive int, or the
+            rank is not an int in range (``True`` is neither).
+        EscaleTypeError: If ``timeout`` is not a number (``True`` included).
+        EscaleError: If ``timeout`` is not above 0 or not finite, even when every value is
+            given (a mistake is refused wherever it would next be used).
 
     Example:
         >>> from flax_escale.mesh import detect_cluster
@@ -111,6 +158,7 @@ def detect_cluster(
         ClusterInfo(environment='arguments', coordinator_address='10.0.0.1:12355',
         num_processes=4, process_id=2, local_device_ids=None)
     """
+    check.positive_number(timeout, "timeout")
     given = {
         "coordinator_address": coordinator_address,
         "num_processes": num_processes,
@@ -128,24 +176,13 @@ def detect_cluster(
     missing = [key for key, value in given.items() if value is None]
     if missing:
         raise MeshError(_missing_message(missing, environment))
-    address, count, rank = (
+    return ClusterInfo(
+        environment,
         given["coordinator_address"],
         given["num_processes"],
         given["process_id"],
+        local_device_ids,
     )
-    split_address(address, source=environment)
-    if not isinstance(count, int) or count < 1:
-        raise MeshError(
-            f"num_processes {count!r} (from {environment}) must be a positive int: the number "
-            "of processes in the job."
-        )
-    if not isinstance(rank, int) or not 0 <= rank < count:
-        raise MeshError(
-            f"process_id {rank!r} is not in range for num_processes {count} (from "
-            f"{environment}): ranks run from 0 to {count - 1}."
-        )
-    ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
-    return ClusterInfo(environment, address, count, rank, ids)
 
 
 def split_address(address: Any, *, source: str = "arguments") -> tuple[str, int]:

@@ -133,10 +133,11 @@ def create_mesh(
 
     Raises:
         MeshError: If names and sizes disagree, if the sizes do not match the device count,
-            or if an axis type is unknown.
-        EscaleTypeError: If ``axis_dims`` is not a sequence of ints or ``axis_names`` not a
-            sequence of strings (a bare ``"dp"`` is refused: pass ``("dp",)``), ``devices`` is
-            not a sequence of devices or ``backend`` not a platform name.
+            if a ``dcn_mesh_dims`` size is below 1, or if an axis type is unknown.
+        EscaleTypeError: If ``axis_dims`` is not a sequence of ints, ``dcn_mesh_dims`` not a
+            sequence of ints (``1.5`` is not truncated) or ``axis_names`` not a sequence of
+            strings (a bare ``"dp"`` is refused: pass ``("dp",)``), ``devices`` is not a
+            sequence of devices or ``backend`` not a platform name.
         EscaleError: If ``backend`` names a platform JAX does not have here, or a name is
             empty.
 
@@ -157,8 +158,7 @@ def create_mesh(
             f"axis_dims {axis_dims} has {len(axis_dims)} sizes but axis_names "
             f"{names} has {len(names)} names: give one size per name."
         )
-    if dcn_mesh_dims is not None:
-        dcn_mesh_dims = check.sizes(dcn_mesh_dims, "dcn_mesh_dims")
+    dcn = None if dcn_mesh_dims is None else _dcn_sizes(dcn_mesh_dims)
     if devices is None:
         device_list = check.devices_of(backend)
     else:
@@ -166,7 +166,6 @@ def create_mesh(
     if not device_list:
         raise MeshError("devices is empty: a mesh needs at least one device.")
     dims = resolve_axis_dims(axis_dims, len(device_list))
-    dcn = None if dcn_mesh_dims is None else tuple(int(d) for d in dcn_mesh_dims)
     return _cached_mesh(
         dims,
         names,
@@ -206,6 +205,25 @@ def _granule_count(devices: Sequence[Any]) -> int:
     if len(slices) > 1:
         return len(slices)
     return len({d.process_index for d in devices})
+
+
+def _dcn_sizes(value: Any) -> tuple[int, ...]:
+    """``dcn_mesh_dims`` as ints; a float, NaN or size below 1 raises instead of truncating."""
+    sizes = check.sizes(value, "dcn_mesh_dims")
+    for size in sizes:
+        if not isinstance(size, (int, np.integer)):
+            whole = isinstance(size, (float, np.floating)) and float(size).is_integer()
+            hint = f"pass the int {int(size)}" if whole else "pass one int per axis, e.g. (2, 1)"
+            raise EscaleTypeError(
+                f"dcn_mesh_dims must be a sequence of int sizes (hosts or slices along each "
+                f"axis), got {sizes!r} whose entry {check.describe(size)} is not an int; {hint}."
+            )
+        if size < 1:
+            raise MeshError(
+                f"dcn_mesh_dims {sizes!r}: every size must be a positive int (hosts or slices "
+                f"along the axis, 1 for an axis inside one host), got {size!r}."
+            )
+    return tuple(int(size) for size in sizes)
 
 
 def device_grid(

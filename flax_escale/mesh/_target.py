@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -90,6 +91,14 @@ class Target:
         slices: Slices joined over the data-center network; data parallelism spans them.
         memory_bytes: One device's memory; ``None`` for simulated CPU devices.
         profile: The name of the planner's hardware profile of one device, if there is one.
+
+    Raises:
+        EscaleTypeError: If a field has the wrong type (a count that is not an int, ``True``
+            as a count included).
+        EscaleError: If a count is below 1, ``slices`` does not divide ``device_count``, the
+            platform is neither ``"cpu"`` nor ``"tpu"``, a TPU target has no topology, a CPU
+            target has several slices or more devices than one host simulates, or
+            ``memory_bytes`` is below 1.
     """
 
     name: str
@@ -99,6 +108,52 @@ class Target:
     slices: int = 1
     memory_bytes: int | None = None
     profile: str | None = None
+
+    def __post_init__(self) -> None:
+        # Targets are also built by hand and from the planner's JSON: a zero or bool count
+        # would reach the planner as a division by zero or a one-device plan, and a memory of
+        # 0 or below as a budget nothing fits (0 even stood silently for the profile's).
+        check.string(self.name, "Target name", "'v5e-8'")
+        check.string(self.platform, "Target platform", "'cpu' or 'tpu'")
+        if self.platform not in ("cpu", "tpu"):
+            raise EscaleError(
+                f"Target platform must be 'cpu' or 'tpu', got {self.platform!r}; build targets "
+                "with Target.named('cpu', devices=N) or Target.named('v5e-8')."
+            )
+        # Frozen: the checked ints (numpy ints made plain, for the planner's JSON) go in
+        # through object.__setattr__.
+        count = check.positive_int(self.device_count, "Target device_count")
+        object.__setattr__(self, "device_count", count)
+        slices = check.positive_int(self.slices, "Target slices")
+        object.__setattr__(self, "slices", slices)
+        if self.platform == "cpu":
+            if count > _MAX_SIMULATED_DEVICES:
+                raise EscaleError(
+                    f"Target device_count {count} is more than the {_MAX_SIMULATED_DEVICES} "
+                    "devices one host simulates; plan a TPU slice with its own target (such as "
+                    "Target.named('v5p-1024')), or fewer devices."
+                )
+            if slices != 1:
+                raise EscaleError(
+                    f"Target slices {slices}: simulated CPU devices form one slice; pass slices=1."
+                )
+        elif not isinstance(self.topology, str):
+            raise EscaleTypeError(
+                f"Target topology must be a TPU topology string such as 'v5e:2x4' for a TPU "
+                f"target, got {check.describe(self.topology)}; or build it with "
+                "Target.named('v5e-8')."
+            )
+        if count % slices:
+            raise EscaleError(
+                f"Target slices {slices} does not divide device_count {count}: device_count "
+                "counts the devices of every slice, so pass a multiple of slices (slices x the "
+                "devices of one slice)."
+            )
+        if self.memory_bytes is not None:
+            memory = check.positive_int(self.memory_bytes, "Target memory_bytes")
+            object.__setattr__(self, "memory_bytes", memory)
+        if self.profile is not None:
+            check.string(self.profile, "Target profile", "'tpu-v5e' (or None)")
 
     @property
     def label(self) -> str:
@@ -195,7 +250,8 @@ class Target:
             The target.
 
         Raises:
-            EscaleError: For an unknown name or size, or a device count that disagrees with it.
+            EscaleError: For an unknown name or size, a topology with a size of 0, or a device
+                count that disagrees with it.
             EscaleTypeError: For arguments of the wrong type.
 
         Example:
@@ -239,10 +295,13 @@ class Target:
                 "target='cpu', devices=N, profile='h100'."
             )
         generation, topology = _tpu_topology(name)
-        chips = 1
-        for size in topology.split(":")[1].split("x"):
-            chips *= int(size)
-        count = chips * slices
+        sizes = [int(size) for size in topology.split(":")[1].split("x")]
+        if 0 in sizes:
+            raise EscaleError(
+                f"target {name!r}: a topology counts chips along each axis, so every size must "
+                "be at least 1; pass e.g. 'v5e:2x4'."
+            )
+        count = math.prod(sizes) * slices
         if devices is not None and devices != count:
             raise EscaleError(
                 f"devices={devices} disagrees with target {name!r}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.machinery
@@ -12,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +43,7 @@ from flax_escale.planning._profiles import HardwareProfile, hardware_profile, pa
 from flax_escale.planning._result import MeshPlan
 from flax_escale.planning._workload import Workload
 from flax_escale.resolve import as_logical_rules
+from flax_escale.tools._reshardings import LOG_VAR
 
 __all__ = ["DEFAULT_CACHE", "load_factory", "plan_mesh"]
 
@@ -515,6 +518,24 @@ def _child(
     paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="flax-escale-plan-") as folder:
+        # The child compiles with its standard error in this file (to collect XLA's reports):
+        # what a compiler that aborts the child said last is read from it.
+        env[LOG_VAR] = os.path.join(folder, "compiler.log")
+        code = _run(env, reference, request, events, console, errors)
+        with contextlib.suppress(OSError), open(env[LOG_VAR], errors="replace") as log:
+            errors += log.readlines()
+    return code, errors
+
+
+def _run(
+    env: dict[str, str],
+    reference: str,
+    request: dict[str, Any],
+    events: _Events,
+    console: Console,
+    errors: list[str],
+) -> int:
     with subprocess.Popen(
         [sys.executable, "-m", "flax_escale.planning._child"],
         stdin=subprocess.PIPE,
@@ -544,4 +565,4 @@ def _child(
                 console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
         code = child.wait()
         drainer.join()
-    return code, errors
+    return code

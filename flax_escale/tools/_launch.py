@@ -21,6 +21,7 @@ failed process's code (``128 + N`` for a process killed by signal N).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -32,8 +33,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from flax_escale import _checks as check
-from flax_escale.errors import MeshError
-from flax_escale.mesh._cluster import COORDINATOR_ADDRESS_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
+from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
+from flax_escale.mesh._cluster import (
+    COORDINATOR_ADDRESS_VAR,
+    NUM_PROCESSES_VAR,
+    PROCESS_ID_VAR,
+    split_address,
+)
 
 __all__ = ["free_port", "launch", "process_environment"]
 
@@ -54,11 +60,27 @@ def process_environment(
     Returns:
         Variable names and values.
 
+    Raises:
+        EscaleTypeError: If a count or the rank is not an int (``True`` included).
+        EscaleError: If a count is below 1 or the rank is not from 0 to ``num_processes - 1``.
+        MeshError: If ``coordinator_address`` is not ``host:port``.
+
     Example:
         >>> from flax_escale.tools._launch import process_environment
         >>> process_environment(1, 2, "127.0.0.1:12355", 4)["FLAX_ESCALE_PROCESS_ID"]
         '1'
     """
+    # Every value becomes a string in a child's environment, where a NaN or a rank out of
+    # range would only show up as a job that never forms.
+    num_processes = check.positive_int(num_processes, "num_processes")
+    process_id = check.non_negative_int(process_id, "process_id")
+    if process_id >= num_processes:
+        raise EscaleError(
+            f"process_id {process_id} is out of range for num_processes {num_processes}: pass "
+            f"a rank from 0 to {num_processes - 1}."
+        )
+    split_address(coordinator_address)
+    devices_per_process = check.positive_int(devices_per_process, "devices_per_process")
     return {
         COORDINATOR_ADDRESS_VAR: coordinator_address,
         NUM_PROCESSES_VAR: str(num_processes),
@@ -99,14 +121,18 @@ def launch(
         signal N and every process still exited with 0.
 
     Raises:
-        MeshError: If ``command`` is empty, a count is not positive or ``port`` is not a TCP
-            port.
-        EscaleError: If ``grace`` is negative, infinite or NaN.
+        MeshError: If ``command`` is empty or its program cannot be started (not found, not
+            executable), a count is not a positive int (``True`` is not one) or ``port`` is not
+            a TCP port.
+        EscaleTypeError: If ``command`` is a string or holds something other than strings or
+            paths, ``env`` is not a mapping of strings to strings, or ``stdout`` or
+            ``stderr`` is not a text stream (a path, a binary file).
+        EscaleError: If ``grace`` is negative, infinite or NaN, or ``stdout`` or ``stderr`` is
+            closed.
     """
-    if not command:
-        raise MeshError("launch needs a command to run, e.g. [sys.executable, 'train.py'].")
+    command = _command(command)
     for name, value in (("processes", processes), ("devices_per_process", devices_per_process)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MeshError(f"{name} must be a positive int, got {value!r}.")
     if port is not None and (
         isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
@@ -114,6 +140,13 @@ def launch(
         raise MeshError(f"port must be a TCP port, an int from 1 to 65535, got {port!r}.")
     # A NaN grace would never end a stuck process's wait: finite, and at least 0.
     grace = check.non_negative_number(grace, "grace")
+    _environment(env)
+    # The pumps write from threads, where a bad stream would only print a traceback, lose
+    # the output and leave the exit code 0: checked before anything starts.
+    sinks = (
+        _text_stream(stdout, "stdout") or sys.stdout,
+        _text_stream(stderr, "stderr") or sys.stderr,
+    )
     address = f"127.0.0.1:{port if port is not None else free_port()}"
     base = dict(os.environ if env is None else env)
     group = _Group(grace)
@@ -127,7 +160,7 @@ def launch(
                 added = process_environment(rank, processes, address, devices_per_process)
                 group.children.append(
                     subprocess.Popen(
-                        list(command),
+                        command,
                         env={**base, **added},
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
@@ -136,12 +169,20 @@ def launch(
                         start_new_session=True,
                     )
                 )
-        except BaseException:  # e.g. the program does not exist: stop the ones started
+        except BaseException as error:  # e.g. the program does not exist: stop the ones started
             for child in group.children:
                 child.kill()
                 child.wait()
+                # No pump reads them yet: closed here, or they stay open until collected.
+                child.stdout.close()
+                child.stderr.close()
+            if isinstance(error, OSError):
+                raise MeshError(
+                    f"launch could not start the command {command!r}: "
+                    f"{error.strerror or error} ({command[0]!r}); pass an executable program "
+                    "and its arguments, e.g. [sys.executable, 'train.py']."
+                ) from error
             raise
-        sinks = (stdout or sys.stdout, stderr or sys.stderr)
         pumps = [
             threading.Thread(target=_pump, args=(pipe, sink, f"[{rank}] ", group.lock), daemon=True)
             for rank, child in enumerate(group.children)
@@ -153,8 +194,76 @@ def launch(
     for pump in pumps:  # what is left in the pipes; a process's own children may hold them
         pump.join(timeout=grace)
     if group.first_failed is not None:
-        (stderr or sys.stderr).write(group.summary() + "\n")
+        sinks[1].write(group.summary() + "\n")
     return code
+
+
+def _command(command: Any) -> list[Any]:
+    """``command`` as the list ``Popen`` takes; a string would be run letter by letter."""
+    if isinstance(command, (str, bytes)):
+        raise EscaleTypeError(
+            f"command must be a list of the program and its arguments, got the string "
+            f"{command!r}; pass a list, e.g. shlex.split({command!r}) or "
+            "[sys.executable, 'train.py']."
+        )
+    if not isinstance(command, Sequence):
+        raise EscaleTypeError(
+            f"command must be a list of the program and its arguments, got "
+            f"{check.describe(command)}; pass e.g. [sys.executable, 'train.py']."
+        )
+    if not command:
+        raise MeshError("launch needs a command to run, e.g. [sys.executable, 'train.py'].")
+    for part in command:
+        if not isinstance(part, (str, bytes, os.PathLike)):
+            raise EscaleTypeError(
+                f"command {list(command)!r} holds {check.describe(part)}, which is not a string; "
+                f"pass every argument as a string, e.g. {str(part)!r}."
+            )
+    return list(command)
+
+
+def _environment(env: Any) -> None:
+    """Refuses an ``env`` that is not a mapping of strings to strings, as ``Popen`` needs."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise EscaleTypeError(
+            f"env must be a mapping of variable names to values, got {check.describe(env)}; "
+            "pass e.g. {**os.environ, 'XLA_FLAGS': '...'}, or None for the launcher's own."
+        )
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise EscaleTypeError(
+                f"env must map str names to str values, got {name!r}: "
+                f"{check.describe(value)}; pass strings, e.g. {str(name)!r}: {str(value)!r}."
+            )
+
+
+def _text_stream(stream: Any, argument: str) -> Any:
+    """``stream`` if it is ``None`` or an open text stream the pumps can write lines to."""
+    if stream is None:
+        return None
+    if isinstance(stream, (str, bytes, os.PathLike)):
+        raise EscaleTypeError(
+            f"{argument} must be an open text stream, got the path {stream!r}; open it first, "
+            f"e.g. {argument}=open({str(stream)!r}, 'w'), or pass sys.{argument} or io.StringIO()."
+        )
+    if not (callable(getattr(stream, "write", None)) and callable(getattr(stream, "flush", None))):
+        raise EscaleTypeError(
+            f"{argument} must be an open text stream (with write and flush), got "
+            f"{check.describe(stream)}; pass e.g. sys.{argument} or io.StringIO()."
+        )
+    if getattr(stream, "closed", False):
+        raise EscaleError(
+            f"{argument} {stream!r} is closed; pass an open text stream, e.g. sys.{argument} or "
+            "a file opened with open(path, 'w') that stays open until launch returns."
+        )
+    if not (isinstance(stream, io.TextIOBase) or hasattr(stream, "encoding")):
+        raise EscaleTypeError(
+            f"{argument} must be a text stream, got the binary stream {stream!r}; open the "
+            "file in text mode ('w', not 'wb'), or wrap it in io.TextIOWrapper."
+        )
+    return stream
 
 
 def free_port() -> int:

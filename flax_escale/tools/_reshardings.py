@@ -106,17 +106,26 @@ class _Captured:
     text = ""
 
 
+LOG_VAR = "FLAX_ESCALE_COMPILER_LOG"
+"""Environment variable: the file a compile's standard error goes to while it is captured.
+
+A process that sets it for a child (the planner's) can read the compiler's last words there
+when the compiler aborts the child, which leaves no time to pass them on."""
+
+
 @contextlib.contextmanager
 def _standard_error_captured() -> Iterator[_Captured]:
     """Points file descriptor 2 at a file inside the block; what is not a report goes on after.
 
     XLA's C++ logging writes to the descriptor, not to ``sys.stderr``, so only the descriptor
-    catches it. Lines of other threads written meanwhile are delayed, not lost.
+    catches it. Lines of other threads written meanwhile are delayed, not lost. The file is
+    anonymous, unless :data:`LOG_VAR` names one.
     """
     captured = _Captured()
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
+    named = os.environ.get(LOG_VAR)
+    with open(named, "w+b") if named else tempfile.TemporaryFile() as log:
         os.dup2(log.fileno(), 2)
         try:
             yield captured

@@ -268,8 +268,154 @@ def test_bad_launches_are_refused():
         launch([sys.executable, "-c", "pass"], processes=0)
     with pytest.raises(fe.MeshError, match="devices_per_process must be a positive int, got -1"):
         launch([sys.executable, "-c", "pass"], processes=1, devices_per_process=-1)
-    with pytest.raises(FileNotFoundError):
-        launch(["/nonexistent/program"], processes=2)
+    with pytest.raises(fe.MeshError, match="processes must be a positive int, got True"):
+        launch([sys.executable, "-c", "pass"], processes=True)
+
+
+PASS = [sys.executable, "-c", "pass"]
+
+
+@pytest.mark.parametrize(
+    ("command", "exc", "match"),
+    [
+        (
+            ["/nonexistent/program", "-c", "pass"],
+            fe.MeshError,
+            r"could not start the command \['/nonexistent/program', '-c', 'pass'\]: No such "
+            r"file.*pass an executable program",
+        ),
+        (
+            ["/tmp", "-c", "pass"],
+            fe.MeshError,
+            r"could not start the command \['/tmp', .*Permission denied.*sys\.executable",
+        ),
+        (
+            "python -c pass",
+            fe.EscaleTypeError,
+            r"command must be a list.*got the string 'python -c pass'; pass a list, e\.g\. "
+            r"shlex\.split\('python -c pass'\)",
+        ),
+        (
+            [sys.executable, "-c", 1],
+            fe.EscaleTypeError,
+            r"command .* holds int 1, which is not a string; .*'1'",
+        ),
+        (None, fe.EscaleTypeError, r"command must be a list.*got None"),
+    ],
+    ids=["missing-program", "directory", "string", "int-argument", "none"],
+)
+def test_a_command_that_cannot_start_is_a_library_error(command, exc, match):
+    with pytest.raises(exc, match=match):
+        launch(command, processes=2)
+
+
+def test_the_processes_started_before_one_fails_to_start_are_stopped(monkeypatch):
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        if started:  # the second process cannot start
+            raise FileNotFoundError(2, "No such file or directory", args[0])
+        child = real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+        started.append(child)
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(fe.MeshError, match="could not start the command"):
+        launch(PASS, processes=2)
+    assert started[0].poll() is not None  # killed, not left sleeping
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {"stdout": "out.txt"},
+            fe.EscaleTypeError,
+            r"stdout must be an open text stream, got the path 'out\.txt'; open it first",
+        ),
+        (
+            {"stderr": io.BytesIO()},
+            fe.EscaleTypeError,
+            r"stderr must be a text stream, got the binary stream .*text mode",
+        ),
+        (
+            {"stdout": 3},
+            fe.EscaleTypeError,
+            r"stdout must be an open text stream \(with write and flush\), got int 3",
+        ),
+        (
+            {"env": {"A": 1}},
+            fe.EscaleTypeError,
+            r"env must map str names to str values, got 'A': int 1; pass strings, e\.g\. "
+            r"'A': '1'",
+        ),
+        (
+            {"env": ["A=1"]},
+            fe.EscaleTypeError,
+            r"env must be a mapping .*got list \['A=1'\]; pass e\.g\.",
+        ),
+    ],
+    ids=["stdout-path", "stderr-binary", "stdout-int", "env-int-value", "env-list"],
+)
+def test_streams_and_environment_are_checked_before_anything_starts(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        launch(PASS, processes=1, **kwargs)
+
+
+def test_a_closed_stream_is_refused_before_anything_starts(tmp_path):
+    closed = (tmp_path / "out.txt").open("w")
+    closed.close()
+    with pytest.raises(fe.EscaleError, match=r"stdout .* is closed; pass an open text stream"):
+        launch([sys.executable, "-c", "print(1)"], processes=1, stdout=closed)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        (
+            (0, 2, "localhost:1234", float("nan")),
+            fe.EscaleTypeError,
+            r"devices_per_process must be a positive int, got float nan",
+        ),
+        (
+            (0, 2, "localhost:1234", 0),
+            fe.EscaleError,
+            r"devices_per_process must be a positive int, got 0",
+        ),
+        (
+            (5, 2, "localhost:1234", 4),
+            fe.EscaleError,
+            r"process_id 5 is out of range for num_processes 2: pass a rank from 0 to 1",
+        ),
+        (
+            (True, 2, "localhost:1234", 4),
+            fe.EscaleTypeError,
+            r"process_id must be an int of at least 0, got bool True",
+        ),
+        (
+            (0, 0, "localhost:1234", 4),
+            fe.EscaleError,
+            r"num_processes must be a positive int, got 0",
+        ),
+        (
+            (0, 2, "localhost", 4),
+            fe.MeshError,
+            r"coordinator_address 'localhost' .* is not 'host:port'",
+        ),
+    ],
+    ids=[
+        "devices-nan",
+        "devices-zero",
+        "rank-out-of-range",
+        "rank-bool",
+        "no-processes",
+        "address",
+    ],
+)
+def test_process_environment_checks_its_arguments(args, exc, match):
+    with pytest.raises(exc, match=match):
+        process_environment(*args)
 
 
 def test_command_line_errors(capsys):
