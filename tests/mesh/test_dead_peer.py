@@ -98,7 +98,9 @@ if sys.argv[1] == "1":
         [[sys.executable, "-c", script, str(rank)] for rank in range(2)], timeout=120
     )
     assert (code0, code1) == (0, 3), err0[-2000:] + err1[-2000:]
-    assert out0.splitlines()[-1] == out1.splitlines()[-1] == "2"
+    # gloo prints its own lines on standard output too, in no fixed order with ours.
+    assert "2" in out0.splitlines()
+    assert "2" in out1.splitlines()
     assert "ended abruptly" not in err0 + err1
 
 

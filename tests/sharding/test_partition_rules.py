@@ -172,7 +172,10 @@ def test_pattern_spec_that_drops_mesh_axes_past_the_rank_warns_or_raises():
 
 
 def test_pattern_string_errors():
-    with pytest.raises(fe.sharding.PartitionRuleError, match=r"rule 'attention' must be"):
+    with pytest.raises(
+        fe.sharding.PartitionRuleError,
+        match=r"the rule 'attention' \(as cut at the ',' separators\) must be",
+    ):
         fe.eformer.create_pattern_based_partition_spec("attention")
     with pytest.raises(fe.sharding.PartitionRuleError, match="empty regex"):
         fe.eformer.create_pattern_based_partition_spec("a||b->tp")
