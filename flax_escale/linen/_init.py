@@ -21,6 +21,7 @@ from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._overrides import Overrides
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.linen._annotate import annotating
+from flax_escale.linen._at_use import data_axes, gathering_apply
 from flax_escale.mesh import with_auto_axes
 from flax_escale.plan import ShardingPlan, annotated_leaves
 from flax_escale.plan._optimizer import create_checked
@@ -45,13 +46,18 @@ def init_train_state(
     use_idle_axes: bool = USE_IDLE_AXES,
     shard_over: Sequence[str] = (),
     method: Callable[..., Any] | str | None = None,
+    gather_at_use: bool = False,
     **init_kwargs: Any,
 ) -> TrainState:
     """A Flax ``TrainState`` whose parameters and optimizer state are born sharded.
 
     The parameters come from :func:`init_sharded`; the optimizer state from
     :func:`~flax_escale.init_opt_state`, each leaf in its parameter's sharding (and split over
-    ``shard_over`` too, ZeRO-1 style). ``apply_fn`` is ``model.apply``.
+    ``shard_over`` too, ZeRO-1 style). ``apply_fn`` is ``model.apply``; with
+    ``gather_at_use``, it gathers each parameter over the axes the rules split the batch and
+    sequence over (``dp``, ``fsdp``, ``sp`` by default) where the model reads it, as FSDP does:
+    for a model with no activation constraints of its own, whose parameters' layout XLA
+    could otherwise follow onto its activations (and replicate them to split them again).
 
     Args:
         model: The Linen module.
@@ -65,6 +71,7 @@ def init_train_state(
         use_idle_axes: See :func:`plan_sharding`.
         shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
         method: Passed to ``model.init``.
+        gather_at_use: Make ``apply_fn`` gather each parameter where the model reads it.
         **init_kwargs: Passed to ``model.init``.
 
     Returns:
@@ -95,6 +102,7 @@ def init_train_state(
     """
     tx = check.transformation(tx, "tx")
     shard_over = check.names(shard_over, "shard_over")
+    gather_at_use = check.flag(gather_at_use, "gather_at_use")
     request = _request(
         model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
     )
@@ -111,7 +119,10 @@ def init_train_state(
     # A Python int would be traced as a weakly typed scalar, and the int32 array the first
     # step returns would make a jitted step compile a second time.
     step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
-    return TrainState(step=step, apply_fn=model.apply, params=params, tx=tx, opt_state=opt_state)
+    apply_fn = model.apply
+    if gather_at_use:
+        apply_fn = gathering_apply(apply_fn, params, data_axes(rules))
+    return TrainState(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state)
 
 
 class LinenFrontEnd:

@@ -125,9 +125,9 @@ class Rewrite:
         count: How many of the textbook's collectives it stands for, per run.
         bytes: Their result bytes as the textbook's collective would give them (the kept
             shard of a reduce-scatter, the gathered array of an all-gather), summed.
-        wire_bytes: What one device sends for the form that runs. The textbook's ring sends
-            ``bytes * (n - 1)`` for a reduce-scatter, ``bytes * (n - 1) / n`` for an
-            all-gather.
+        wire_bytes: What one device sends for the form that runs.
+        textbook_wire_bytes: What the textbook's ring would send for them: ``bytes * (n - 1)``
+            for a reduce-scatter, ``bytes * (n - 1) / n`` for an all-gather.
     """
 
     textbook: str
@@ -135,6 +135,7 @@ class Rewrite:
     count: int
     bytes: int
     wire_bytes: float
+    textbook_wire_bytes: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,16 @@ class ProgramCosts:
     def wire_bytes(self) -> float:
         """Bytes one device sends per run, every kind together."""
         return sum(c.wire_bytes for c in self.collectives.values())
+
+    @property
+    def textbook_wire_bytes(self) -> float:
+        """:attr:`wire_bytes` with each rewritten collective counted at the textbook's volume.
+
+        What the program would send had the compiler written every collective in its textbook
+        form: the layout's share of the bytes, apart from the compiler's choice of form (an
+        all-reduce fused with the slice after it, a ring that overlaps a matmul).
+        """
+        return self.wire_bytes + sum(r.textbook_wire_bytes - r.wire_bytes for r in self.rewrites)
 
 
 def program_costs(program: Any) -> ProgramCosts:
@@ -269,6 +280,7 @@ def _costs(text: str) -> ProgramCosts:
             int(sums["rewrite", textbook, written, "count"]),
             int(sums["rewrite", textbook, written, "bytes"]),
             sums["rewrite", textbook, written, "wire"],
+            sums["rewrite", textbook, written, "textbook"],
         )
         for textbook, written in forms
     )
@@ -311,7 +323,9 @@ class _Walk:
                     for array in rewrites.sliced_arrays(self.module, computation, op, n):
                         size = array_bytes(array)
                         wire = size * _WIRE["all-reduce"](n)
-                        _rewrite(sums, "reduce-scatter", rewrites.SLICED, size // n, wire)
+                        shard = size // n
+                        textbook = shard * (n - 1)
+                        _rewrite(sums, "reduce-scatter", rewrites.SLICED, shard, wire, textbook)
         elif op.opcode == "while":
             trips = trip_count(self.module, computation, op)
             if trips is None:
@@ -321,7 +335,7 @@ class _Walk:
                 _merge(sums, self.total(body, collectives), trips)
             ring = rewrites.ring(self.module, computation, op, trips)
             if ring is not None and collectives:
-                _rewrite(sums, ring[0], rewrites.WINDOWED, ring[1], ring[2])
+                _rewrite(sums, ring[0], rewrites.WINDOWED, *ring[1:])
         elif op.opcode == "fusion":
             self._fusion(op, collectives, sums)
         elif op.opcode in ("conditional", "call", "async-start"):
@@ -364,10 +378,13 @@ class _Walk:
             _add(sums, (kind, "type", dtype), part)
 
 
-def _rewrite(sums: _Sums, textbook: str, written: str, size: float, wire: float) -> None:
+def _rewrite(
+    sums: _Sums, textbook: str, written: str, size: float, wire: float, textbook_wire: float
+) -> None:
     _add(sums, ("rewrite", textbook, written, "count"), 1)
     _add(sums, ("rewrite", textbook, written, "bytes"), size)
     _add(sums, ("rewrite", textbook, written, "wire"), wire)
+    _add(sums, ("rewrite", textbook, written, "textbook"), textbook_wire)
 
 
 def _add(sums: _Sums, key: Any, value: float) -> None:

@@ -72,7 +72,7 @@ def sliced_arrays(module: Module, computation: Computation, op: Instruction, n: 
 
 def ring(
     module: Module, caller: Computation, loop: Instruction, trips: int
-) -> tuple[str, int, int] | None:
+) -> tuple[str, int, int, float] | None:
     """The collective a windowed matmul loop stands for, if ``loop`` is one.
 
     Args:
@@ -82,11 +82,11 @@ def ring(
         trips: Its trip count.
 
     Returns:
-        ``(textbook kind, textbook result bytes, bytes one device sends)``: the gathered
-        array's bytes for an all-gather, the kept shard's for a reduce-scatter; the sends
-        are the loop body's permutes every trip and those peeled off before the loop (whose
-        results enter it) or after it (which send its results). None if ``loop`` is not a
-        windowed matmul loop that permutes.
+        ``(textbook kind, textbook result bytes, bytes one device sends, bytes the textbook's
+        ring sends)``: the gathered array's bytes for an all-gather, the kept shard's for a
+        reduce-scatter; the sends are the loop body's permutes every trip and those peeled
+        off before the loop (whose results enter it) or after it (which send its results).
+        None if ``loop`` is not a windowed matmul loop that permutes.
     """
     name = next(iter(loop.called("body")), "")
     form, body = _LOOP.search(name), module.computations.get(name)
@@ -107,9 +107,10 @@ def ring(
     sent = trips * sum(array_bytes(i.shape) for i in permutes)
     sent += sum(array_bytes(i.shape) for i in peeled)
     shard = array_bytes(permutes[0].shape)
+    n = _ring_size(body, permutes[0]) or module.devices
     if form.group(1) == "ag":
-        return "all-gather", shard * (_ring_size(body, permutes[0]) or module.devices), sent
-    return "reduce-scatter", shard, sent
+        return "all-gather", shard * n, sent, shard * (n - 1)
+    return "reduce-scatter", shard, sent, shard * (n - 1)
 
 
 def _only_sliced(module: Module, computation: Computation, name: str, size: int, n: int) -> bool:

@@ -23,6 +23,7 @@ from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._overrides import Overrides
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.linen import _init as linen_init
+from flax_escale.linen._at_use import data_axes, gathering_apply
 from flax_escale.nnx._init import optimizer_layout
 from flax_escale.plan import ShardingPlan
 from flax_escale.plan._optimizer import shardings_checked
@@ -74,6 +75,9 @@ class Workload:
         use_idle_axes: As :func:`~flax_escale.plan_sharding` takes it.
         shard_over: Mesh axes the optimizer state is also split over (ZeRO-1).
         init_kwargs: Keyword arguments for ``model.init`` (Linen) or the constructor (NNX).
+        gather_at_use: Linen: the state's ``apply_fn`` gathers each parameter where the model
+            reads it, as :func:`~flax_escale.linen.init_train_state` makes it with the same
+            flag.
 
     Raises:
         EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays, or a
@@ -92,6 +96,7 @@ class Workload:
     use_idle_axes: bool = USE_IDLE_AXES
     shard_over: Sequence[str] = ()
     init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    gather_at_use: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.args, tuple):
@@ -135,6 +140,12 @@ class Workload:
                 self.batch,
             )
         object.__setattr__(self, "shard_over", check.names(self.shard_over, "Workload shard_over"))
+        if check.flag(self.gather_at_use, "Workload gather_at_use") and not self.is_linen:
+            raise EscaleTypeError(
+                "Workload: gather_at_use is for Linen models, whose parameters Flax unboxes "
+                "where they are read; in an NNX model, constrain a parameter where it is used: "
+                "fe.constrain(self.table[...], ('vocab', None))."
+            )
         # The model, its arguments and the options are checked here, once for every mesh.
         _ = self.call, self.options
 
@@ -298,9 +309,10 @@ def _linen_state(
         shardings_checked(tx, params, workload.shard_over),
     )
     step = _abstract((), np.int32, NamedSharding(mesh, PartitionSpec()))
-    state = TrainState(
-        step=step, apply_fn=workload.model.apply, params=params, tx=tx, opt_state=opt
-    )
+    apply_fn = workload.model.apply
+    if workload.gather_at_use:
+        apply_fn = gathering_apply(apply_fn, params, data_axes(workload.options.rules))
+    state = TrainState(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt)
     user_step = workload.step or _linen_step(workload.loss or mean_square)
 
     def checked_step(state: TrainState, *batch: Any) -> tuple[TrainState, Any]:

@@ -181,7 +181,12 @@ def test_fsdp_gathers_twice_and_reduce_scatters_once_on_xla_cpu(devices):
     reduce = costs.collectives["all-reduce"]
     assert reduce.bytes == p
     assert reduce.wire_bytes == pytest.approx(2 * p * (N - 1) / N)
-    assert costs.rewrites == (Rewrite("reduce-scatter", SLICED, arrays, p // N, reduce.wire_bytes),)
+    textbook = p // N * (N - 1)
+    assert costs.rewrites == (
+        Rewrite("reduce-scatter", SLICED, arrays, p // N, reduce.wire_bytes, textbook),
+    )
+    # Counted in their textbook forms, the step moves FSDP's 3 (N - 1) / N of P.
+    assert costs.textbook_wire_bytes == pytest.approx(3 * p * (N - 1) / N)
 
 
 def test_fsdp_on_the_tpu_compiler_gathers_bfloat16_and_reduce_scatters(tpu_devices):
@@ -202,6 +207,7 @@ def test_fsdp_on_the_tpu_compiler_gathers_bfloat16_and_reduce_scatters(tpu_devic
     assert scatter.wire_bytes == pytest.approx(scatter.bytes * (N - 1))
     assert reduce.bytes == sliced.bytes * N  # nothing else is all-reduced
     assert sliced.wire_bytes == pytest.approx(reduce.wire_bytes)
+    assert sliced.textbook_wire_bytes == pytest.approx(sliced.bytes * (N - 1))
     assert costs.collective_dtypes["reduce-scatter"] == {"f32": scatter.bytes}
 
 
@@ -243,6 +249,9 @@ def test_windowed_matmul_rings_stand_for_the_fsdp_collectives_on_the_tpu(tpu_dev
     assert gather.wire_bytes == gather.bytes * (N + 1) / N
     assert scatter.wire_bytes == scatter.bytes * (N + 1)
     assert costs.wire_bytes == gather.wire_bytes + scatter.wire_bytes
+    assert gather.textbook_wire_bytes == gather.bytes * (N - 1) / N
+    assert scatter.textbook_wire_bytes == scatter.bytes * (N - 1)
+    assert costs.textbook_wire_bytes == pytest.approx(p * (N - 1) / N + p // N * (N - 1))
     assert costs.dot_flops == stack.flops / N
 
 
