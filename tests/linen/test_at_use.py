@@ -1,4 +1,4 @@
-"""``gather_at_use``: a Linen train state whose ``apply_fn`` gathers each parameter where it is read."""
+"""``gather_at_use``: a Linen train state whose ``apply_fn`` gathers each parameter as read."""
 
 import flax.linen as nn
 import jax
