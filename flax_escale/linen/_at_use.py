@@ -18,10 +18,11 @@ from typing import Any
 import jax
 from flax import struct
 from flax.core import meta
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleTypeError
+from flax_escale.plan._optimizer import named_sharding_of
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding._constraint import apply_spec
 
@@ -114,7 +115,7 @@ def gathering_apply(
         ``apply(variables, *args, **kwargs)``, called as ``apply_fn`` is, for parameters of
         the structure of ``params``.
     """
-    shardings = jax.tree.map(_sharding_of, params)
+    shardings = jax.tree.map(named_sharding_of, params)
     structure = jax.tree.structure(params)
 
     @functools.wraps(apply_fn)
@@ -139,13 +140,3 @@ def gathering_apply(
         return apply_fn({**variables, "params": boxed}, *args, **kwargs)
 
     return apply
-
-
-def _sharding_of(x: Any) -> NamedSharding:
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        raise EscaleTypeError(
-            f"gather_at_use needs every parameter on a mesh (a NamedSharding); got "
-            f"{type(sharding).__name__} on {type(x).__name__}."
-        )
-    return sharding

@@ -80,7 +80,7 @@ def shardings_checked(
 ) -> Any:
     """:func:`opt_state_shardings` for a transformation and axis names already checked."""
     flat, _ = flatten_with_paths(params)
-    tracked = [(path, np.shape(value), _named_sharding(value)) for path, value, _ in flat]
+    tracked = [(path, np.shape(value), named_sharding_of(value)) for path, value, _ in flat]
     meshes = {sharding.mesh for _, _, sharding in tracked}
     if not meshes:
         raise EscaleError("params: there are no parameters to create optimizer state for.")
@@ -206,7 +206,7 @@ def follow_shardings(
     return treedef.unflatten(shardings)
 
 
-def _named_sharding(param: Any) -> NamedSharding:
+def named_sharding_of(param: Any) -> NamedSharding:
     sharding = getattr(param, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         raise EscaleError(

@@ -1,13 +1,22 @@
-"""No layout of the examples makes XLA replicate an array to split it another way.
+"""No candidate mesh makes XLA replicate an array to split it another way.
 
-Every mesh of 8 devices over ``dp, fsdp, tp, sp`` compiles each example's training step in a
-fresh process (``support.reshardings``), and XLA's "involuntary full rematerialization"
-reports are collected: there must be none. Before the examples gathered their embedding
-tables for the lookup, four layouts had them (``dp`` with ``fsdp``, ``fsdp`` with ``sp``).
+Each workload's training step is compiled on each candidate mesh in a fresh process
+(``support.reshardings``), and XLA's "involuntary full rematerialization" reports are
+collected: there must be none. The workloads are the two examples (every layout of 8 devices
+over ``dp, fsdp, tp, sp``), the real models of ``support.real_models`` and a Llama-shaped
+decoder (vocabulary 32,000), on XLA:CPU and on the TPU compiler (a v5e slice of 8 chips, and
+of 64 for the Llama-shaped one), where the candidates are those the planner compiles.
+
+Before the examples gathered their embedding tables for the lookup, four layouts of each had
+reports (``dp`` with ``fsdp``, ``fsdp`` with ``sp``). lm1b, which constrains no activation,
+has six on XLA:CPU unless its parameters are gathered where they are read
+(``gather_at_use``); on the TPU compiler it has none either way.
 """
 
+import importlib.util
+
 import pytest
-from support import EXAMPLES
+from support import EXAMPLES, ROOT
 from support.reshardings import step_reshardings
 
 from flax_escale.planning import mesh_shapes
@@ -15,11 +24,78 @@ from flax_escale.planning import mesh_shapes
 pytestmark = pytest.mark.slow
 
 SHAPES = [tuple(s.values()) for s in mesh_shapes(8, ("dp", "fsdp", "tp", "sp"))]
+WORKLOADS = str(ROOT / "tests" / "support" / "real_models" / "workloads.py")
+# Gemma names its own mesh axes in its einsums' out_sharding: its meshes are Explicit, and the
+# four that split its 2 key/value heads 4 or 8 ways cannot run it.
+GEMMA_CANNOT_RUN = {(2, 1, 1, 4, 1), (1, 2, 1, 4, 1), (1, 1, 1, 8, 1), (1, 1, 1, 4, 2)}
 
 
+def _needs(target: str) -> None:
+    if target != "cpu" and importlib.util.find_spec("libtpu") is None:
+        pytest.skip('the TPU compiler is not installed: pip install "flax-escale[tpu]"')
+
+
+def _assert_none(found: dict, expected_meshes: int) -> None:
+    compiled = {shape: reports for shape, reports in found.items() if isinstance(reports, list)}
+    assert len(compiled) == expected_meshes, found
+    assert {shape: reports for shape, reports in compiled.items() if reports} == {}
+
+
+@pytest.mark.parametrize("target", ["cpu", "v5e-8"])
 @pytest.mark.parametrize("example", ["nnx_llama", "linen_gpt"])
-def test_no_layout_of_the_example_replicates_an_array_to_reshard_it(example):
-    found = step_reshardings(str(EXAMPLES / f"{example}.py"), "workload", SHAPES)
-    assert set(found) == set(SHAPES)
+def test_no_layout_of_the_example_replicates_an_array_to_reshard_it(example, target):
+    # Every layout on XLA:CPU; on the TPU compiler the planner's candidates (sp, which does
+    # not divide the 33 tokens of a step's batch, is pruned).
+    _needs(target)
+    found = step_reshardings(
+        str(EXAMPLES / f"{example}.py"),
+        "workload",
+        SHAPES,
+        target=target,
+        candidates=target != "cpu",
+    )
     assert len(SHAPES) == 20
-    assert {shape: reports for shape, reports in found.items() if reports} == {}
+    _assert_none(found, 20 if target == "cpu" else 10)
+
+
+# The meshes each compiles: every layout of 8 devices for the real models (Gemma's but four),
+# the planner's candidates for the Llama-shaped one (sp does not divide its 257 tokens). lm1b
+# as written on the TPU compiler, and gathered at use on XLA:CPU, where as written it has six.
+CASES = {
+    ("lm1b_gathered", "cpu"): 20,
+    ("lm1b", "v5e-8"): 20,
+    ("wmt", "cpu"): 20,
+    ("wmt", "v5e-8"): 20,
+    ("gemma", "cpu"): 16,
+    ("gemma", "v5e-8"): 16,
+    ("llama", "cpu"): 10,
+    ("llama", "v5e-8"): 10,
+}
+
+
+@pytest.mark.parametrize(("factory", "target"), list(CASES))
+def test_no_candidate_mesh_of_a_real_model_replicates_an_array(factory, target):
+    _needs(target)
+    found = step_reshardings(
+        WORKLOADS,
+        factory,
+        SHAPES,
+        target=target,
+        axis_types="explicit" if factory == "gemma" else None,
+        candidates=factory == "llama",
+    )
+    if factory == "gemma":
+        assert {shape for shape, reports in found.items() if reports is None} == GEMMA_CANNOT_RUN
+    _assert_none(found, CASES[factory, target])
+
+
+def test_no_candidate_mesh_of_64_chips_replicates_an_array():
+    # v5p-128 is 64 chips (two TensorCores each); the compiler cannot route a 64-chip v5e
+    # slice from a host without one ("Failed to create limited ICI routing replica info
+    # table"), so the v5p slice stands for 64 chips.
+    _needs("v5p-128")
+    shapes = [tuple(s.values()) for s in mesh_shapes(64, ("dp", "fsdp", "tp", "sp"))]
+    found = step_reshardings(
+        WORKLOADS, "llama_64", shapes, devices=64, target="v5p-128", candidates=True
+    )
+    _assert_none(found, 28)

@@ -33,25 +33,29 @@ _CHILD = textwrap.dedent(
     spec.loader.exec_module(module)
     workload = getattr(module, {factory!r})()
     target = Target.named({target!r}, devices={devices})
-    found = []
+
+    def found(shape, result):
+        print("@@" + json.dumps([shape, result]), flush=True)
+
     for shape in {shapes!r}:
         mesh = target.mesh(shape, axis_types={axis_types!r})
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a correction is not what is measured here
                 if {candidates} and _prune(workload, mesh)[0]:
-                    continue  # the planner would not compile it either
+                    found(shape, "pruned")  # the planner would not compile it either
+                    continue
                 step = lower_programs(workload, mesh, workload.plan(mesh)).step
         except ValueError:  # the model cannot run there, as the planner finds it
-            found.append([shape, None])
+            found(shape, None)
             continue
+        print("@@compiling", file=sys.stderr, flush=True)
         try:
             reports = compile_collecting(step, target.compiler_options)[1]
         except jax.errors.JaxRuntimeError as error:  # the compiler gave up: the planner's "failed"
-            found.append([shape, str(error).splitlines()[0]])
+            found(shape, str(error).splitlines()[0])
             continue
-        found.append([shape, [str(r) for r in reports]])
-    print("@@" + json.dumps(found))
+        found(shape, [str(r) for r in reports])
     """
 )
 
@@ -69,7 +73,7 @@ def step_reshardings(
 
     A mesh the step cannot be lowered on (a ``ValueError``: the model's own shardings do not
     divide its shapes there) maps to ``None``; one the compiler fails on, to its error's first
-    line.
+    line, or to "the compiler aborted" where it ended the process.
 
     ``shapes`` are sizes of the default axes (dp, fsdp, ep, tp, sp); ``target`` is a
     ``Target.named`` name of ``devices`` devices; ``axis_types`` as ``create_mesh`` takes it
@@ -77,22 +81,34 @@ def step_reshardings(
     ``candidates``, the meshes the planner prunes (its batch does not split there, an axis
     would be idle) are left out of the result, as the planner leaves them uncompiled.
     """
-    script = _CHILD.format(
-        devices=devices,
-        tests=str(ROOT / "tests"),
-        folder=os.path.dirname(os.path.abspath(path)),
-        path=os.path.abspath(path),
-        factory=factory,
-        target=target,
-        axis_types=axis_types,
-        candidates=candidates,
-        shapes=[tuple(s) for s in shapes],
-    )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("@@"))
-    return {tuple(shape): reports for shape, reports in json.loads(line[2:])}
+    results: dict[tuple[int, ...], list[str] | str | None] = {}
+    left = [tuple(s) for s in shapes]
+    while left:
+        script = _CHILD.format(
+            devices=devices,
+            tests=str(ROOT / "tests"),
+            folder=os.path.dirname(os.path.abspath(path)),
+            path=os.path.abspath(path),
+            factory=factory,
+            target=target,
+            axis_types=axis_types,
+            candidates=candidates,
+            shapes=left,
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800
+        )
+        for line in done.stdout.splitlines():
+            if line.startswith("@@"):
+                shape, result = json.loads(line[2:])
+                results[tuple(shape)] = result
+        left = [s for s in left if s not in results]
+        if done.returncode == 0:
+            break
+        # The compiler aborted the process (as the planner's child can find it): that mesh
+        # failed; the others are compiled in a new process.
+        assert "@@compiling" in done.stderr, done.stderr[-4000:]
+        results[left.pop(0)] = f"the compiler aborted (exit {done.returncode})"
+    return {s: results[s] for s in map(tuple, shapes) if results.get(s) != "pruned"}
