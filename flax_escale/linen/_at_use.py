@@ -21,7 +21,7 @@ from flax.core import meta
 from jax.sharding import PartitionSpec
 
 from flax_escale._specs import mesh_axes_of
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._optimizer import named_sharding_of
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding._constraint import apply_spec
@@ -35,6 +35,10 @@ _DATA_NAMES = ("batch", "sequence")
 def data_axes(rules: RulesLike) -> frozenset[str]:
     """The mesh axes ``rules`` split activations' batch and sequence over.
 
+    Raises:
+        EscaleError: If the rules split them over no mesh axis: there is nothing to gather
+            over, and ``gather_at_use`` would do nothing.
+
     Example:
         >>> import flax_escale as fe
         >>> from flax_escale.linen._at_use import data_axes
@@ -43,12 +47,17 @@ def data_axes(rules: RulesLike) -> frozenset[str]:
         >>> sorted(data_axes([("batch", "data")]))
         ['data']
     """
-    return frozenset(
-        axis
-        for name, axes in as_logical_rules(rules)
-        if name in _DATA_NAMES
-        for axis in mesh_axes_of(axes)
+    logical = as_logical_rules(rules)
+    axes = frozenset(
+        axis for name, entry in logical if name in _DATA_NAMES for axis in mesh_axes_of(entry)
     )
+    if not axes:
+        raise EscaleError(
+            f"gather_at_use: the rules {list(logical)} split 'batch' and 'sequence' over no mesh "
+            "axis, so there is nothing to gather the parameters over; add a rule such as "
+            "('batch', 'fsdp'), or leave gather_at_use off."
+        )
+    return axes
 
 
 class _GatheredAtUse(meta.AxisMetadata, struct.PyTreeNode):

@@ -81,7 +81,9 @@ def init_train_state(
 
     Raises:
         EscaleError: If the model has variables besides ``params`` (a ``TrainState`` holds only
-            parameters): use :func:`init_sharded` and :func:`~flax_escale.init_opt_state`.
+            parameters): use :func:`init_sharded` and :func:`~flax_escale.init_opt_state`;
+            or, with ``gather_at_use``, if the rules split the batch and sequence over no
+            mesh axis.
 
     Example:
         >>> import flax.linen as nn
@@ -102,7 +104,8 @@ def init_train_state(
     """
     tx = check.transformation(tx, "tx")
     shard_over = check.names(shard_over, "shard_over")
-    gather_at_use = check.flag(gather_at_use, "gather_at_use")
+    # Refused before any work when the rules leave nothing to gather over.
+    gathered_over = data_axes(rules) if check.flag(gather_at_use, "gather_at_use") else None
     request = _request(
         model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
     )
@@ -120,8 +123,8 @@ def init_train_state(
     # step returns would make a jitted step compile a second time.
     step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, PartitionSpec()))
     apply_fn = model.apply
-    if gather_at_use:
-        apply_fn = gathering_apply(apply_fn, params, data_axes(rules))
+    if gathered_over is not None:
+        apply_fn = gathering_apply(apply_fn, params, gathered_over)
     return TrainState(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state)
 
 

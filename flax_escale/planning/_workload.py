@@ -140,12 +140,14 @@ class Workload:
                 self.batch,
             )
         object.__setattr__(self, "shard_over", check.names(self.shard_over, "Workload shard_over"))
-        if check.flag(self.gather_at_use, "Workload gather_at_use") and not self.is_linen:
-            raise EscaleTypeError(
-                "Workload: gather_at_use is for Linen models, whose parameters Flax unboxes "
-                "where they are read; in an NNX model, constrain a parameter where it is used: "
-                "fe.constrain(self.table[...], ('vocab', None))."
-            )
+        if check.flag(self.gather_at_use, "Workload gather_at_use"):
+            if not self.is_linen:
+                raise EscaleTypeError(
+                    "Workload: gather_at_use is for Linen models, whose parameters Flax unboxes "
+                    "where they are read; in an NNX model, constrain a parameter where it is "
+                    "used: fe.constrain(self.table[...], ('vocab', None))."
+                )
+            data_axes(self.rules)  # refused here, not on the first mesh, if nothing to gather
         # The model, its arguments and the options are checked here, once for every mesh.
         _ = self.call, self.options
 

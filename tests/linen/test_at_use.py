@@ -10,7 +10,7 @@ from support.lowered import sharding_constraints
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.linen._at_use import data_axes
 from flax_escale.planning import Workload
 
@@ -66,6 +66,32 @@ def test_data_axes_are_those_the_batch_and_sequence_are_split_over():
     assert data_axes(fe.PartitionAxis(batch_axis="dp")) == {"dp", "sp"}
     assert data_axes([("batch", "data"), ("hidden_state", "model")]) == {"data"}
     assert data_axes(fe.PartitionAxis().with_aliases("t5x")) == {"dp", "fsdp", "sp"}
+
+
+def test_rules_that_split_no_batch_axis_are_refused(mesh):
+    with pytest.raises(
+        EscaleError, match=r"gather_at_use: the rules .*'hidden_state'.* no mesh axis"
+    ):
+        data_axes([("hidden_state", "tp")])
+    with pytest.raises(EscaleError, match="nothing to gather the parameters over"):
+        fel.init_train_state(
+            Stack(),
+            mesh,
+            jax.random.key(0),
+            X,
+            tx=optax.sgd(0.1),
+            rules=[("hidden_state", "tp")],
+            gather_at_use=True,
+        )
+    with pytest.raises(EscaleError, match="nothing to gather the parameters over"):
+        Workload(
+            Stack(),
+            jax.random.key(0),
+            (X,),
+            tx=optax.sgd(0.1),
+            rules=[("hidden_state", "tp")],
+            gather_at_use=True,
+        )
 
 
 def test_each_parameter_is_gathered_over_the_data_axes_where_it_is_read(mesh):
