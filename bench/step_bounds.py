@@ -78,12 +78,19 @@ def bound(shape: tuple[int, ...], params: float, act: float, kv: float, layers: 
 
 
 def measure(
-    model: str, target: Target, batch: int, length: int, layouts: list[str], vocab: int
+    model: str,
+    target: Target,
+    batch: int,
+    length: int,
+    layouts: list[str],
+    vocab: int,
+    gather_at_use: bool = False,
 ) -> list[dict]:
     """Each layout's collective bytes by kind, beside its bound, for one model."""
     if model == "gpt2":  # its positions fix the length: 1,024 tokens
         config, length = dataclasses.replace(GPT2, vocab=vocab), GPT2.max_len
         workload = linen_gpt.workload(config, batch=batch)
+        workload = dataclasses.replace(workload, gather_at_use=gather_at_use)
     else:
         config = LLAMA_7B
         workload = nnx_llama.workload(config, batch=batch, length=length + 1)
@@ -143,13 +150,26 @@ def main() -> None:
         default=GPT2.vocab,
         help="50,257; 50,304 is the padded size GPT-2 trainers use, which tp divides",
     )
+    parser.add_argument(
+        "--gather-at-use",
+        action="store_true",
+        help="GPT-2 (Linen) with its parameters gathered where read (Workload.gather_at_use)",
+    )
     args = parser.parse_args()
     if args.target == "cpu":
         jax.config.update("jax_num_cpu_devices", 8)
     target = Target.named(args.target, devices=8)
     print(f"{target.label}; {args.batch} sequences of {args.length} tokens", flush=True)
     for model in args.models:
-        rows = measure(model, target, args.batch, args.length, args.layouts, args.gpt2_vocab)
+        rows = measure(
+            model,
+            target,
+            args.batch,
+            args.length,
+            args.layouts,
+            args.gpt2_vocab,
+            args.gather_at_use and model == "gpt2",
+        )
         worst = max(rows, key=lambda r: r["sent"] / r["bound"])
         ratios = " ".join(f"{r['sent'] / r['bound']:.2f}" for r in rows)
         textbook = " ".join(f"{r['textbook'] / r['bound']:.2f}" for r in rows)
