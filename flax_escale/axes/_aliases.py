@@ -30,6 +30,8 @@ _T5X = {
     "length": "sequence",
     "stack": "layers",
     "expert_mlp": "mlp_intermediate",
+    # The groups of dispatched tokens inside an expert layer: the batch that leaves ep alone.
+    "expert_group": "expert_batch",
     "relpos_buckets": None,
     "abspos_buckets": None,
     "mlp_activations": None,
@@ -37,7 +39,7 @@ _T5X = {
 }
 _MAXTEXT = {
     "activation_batch": "batch",
-    "activation_batch_no_exp": "batch",
+    "activation_batch_no_exp": "expert_batch",
     "activation_embed_and_logits_batch": "batch",
     "activation_kv_batch": "batch",
     "activation_length": "sequence",
@@ -52,6 +54,22 @@ _MAXTEXT = {
     "activation_kv_head_dim": "attention_kv_dim",
     "activation_vocab": "vocab",
     "activation_exp": "expert",
+    # MaxText's mixture-of-experts names. Its "_no_exp" batch leaves the expert axis to the
+    # experts, as expert_batch does; "_moe" names are those of the expert layer itself.
+    "activation_batch_moe": "batch",
+    "activation_kv_batch_no_exp": "expert_batch",
+    "activation_length_no_exp": "sequence",
+    "activation_length_moe": "sequence",
+    "activation_norm_length_moe": "sequence",
+    "activation_attn_length": "sequence",
+    "activation_attn_length_no_exp": "sequence",
+    "activation_q_length_no_exp": "query_sequence",
+    "activation_embed_moe": "hidden_state",
+    "activation_mlp_moe": "mlp_intermediate",
+    "activation_prefill_kv_batch": "batch",
+    "embed_moe": "hidden_state",
+    "mlp_moe": "mlp_intermediate",
+    "mlp_no_fsdp": "mlp_intermediate",
     "activation_stage": None,
     "embed": "hidden_state",
     "embed_no_exp": "hidden_state",

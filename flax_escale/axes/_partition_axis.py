@@ -11,7 +11,7 @@ import jax
 
 from flax_escale._specs import MeshAxes
 from flax_escale.axes._aliases import Aliases, merge_aliases
-from flax_escale.errors import EscaleError
+from flax_escale.errors import EscaleError, EscaleTypeError
 
 __all__ = ["LogicalRules", "MeshAxes", "PartitionAxis"]
 
@@ -29,7 +29,7 @@ _MESH_FIELDS = (
 # Names that are usually larger than the hidden size: they get the tensor-parallel axis first, so
 # that hidden_state falls back to (fsdp, sp) when it shares an array with one of them.
 # Fields that are not logical names: the mesh-axis names, and the aliases.
-_NOT_LOGICAL = (*_MESH_FIELDS, "aliases")
+_NOT_LOGICAL = (*_MESH_FIELDS, "aliases", "ep_as_fsdp")
 _WIDE = ("vocab", "head", "kv_head", "mlp_intermediate", "expert")
 # Logical names that only the generation (decode) rules look up in generation_* fields.
 _GENERATION = (
@@ -101,6 +101,16 @@ class PartitionAxis:
     ``generation_kv_head_axis`` defaults to ``kv_head_axis``'s value; ``attention_kv_dim_axis``
     (the dimension inside each key/value head) is unsharded by default.
 
+    Mixture-of-experts models name two more things. ``expert_batch`` is the batch inside an
+    expert layer once tokens are dispatched to their experts (``(expert, expert_batch, ...)``):
+    ``batch``'s axes without ``ep``, since ``ep`` then splits the experts. ``ep_as_fsdp=True``
+    lets ``ep`` act as ``fsdp`` outside the experts: ``batch`` defaults to
+    ``(fsdp, dp, ep)``, so the devices of one expert group do not repeat each other's
+    attention and dense layers, and the fallback of the weights that are not experts becomes
+    ``(fsdp, sp, ep)`` (then ``(fsdp, sp)`` where the array's expert dimension holds ``ep``).
+    It is off by default so that a model without experts keeps the specs above; MoE models
+    turn it on (``bench/moe.py`` measures both).
+
     :meth:`logical_axis_rules` turns the mapping into ordered Flax rules, used for parameters and
     activations alike.
 
@@ -114,6 +124,9 @@ class PartitionAxis:
         >>> decode = PartitionAxis(decode_batch_axis="dp")
         >>> decode.generation_batch_axis, decode.decode_batch_axis, decode.decode_kv_head_axis
         ('dp', 'dp', 'tp')
+        >>> moe = PartitionAxis(ep_as_fsdp=True)
+        >>> moe.batch_axis, moe.expert_batch_axis
+        (('fsdp', 'dp', 'ep'), ('fsdp', 'dp'))
     """
 
     data_parallel_axis: str = "dp"
@@ -133,6 +146,7 @@ class PartitionAxis:
     vocab_axis: Any = ...
     expert_axis: Any = ...
     expert_gate_axis: Any = None
+    expert_batch_axis: Any = ...
     attention_dim_axis: Any = None
     attention_kv_dim_axis: Any = None
     bias_head_sequence_axis: Any = None
@@ -149,6 +163,8 @@ class PartitionAxis:
 
     # Foreign logical names and the library names whose rules they take; see with_aliases().
     aliases: Aliases = ()
+    # Whether ep also splits what is not an expert, as fsdp does; see the class docstring.
+    ep_as_fsdp: bool = False
 
     # Fields given explicitly, so that replace() re-derives the others from new mesh-axis names.
     _given: frozenset[str] = dataclasses.field(
@@ -156,6 +172,10 @@ class PartitionAxis:
     )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ep_as_fsdp, bool):
+            raise EscaleTypeError(
+                f"PartitionAxis.ep_as_fsdp must be True or False, got {self.ep_as_fsdp!r}."
+            )
         for name in _MESH_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -180,8 +200,10 @@ class PartitionAxis:
 
     def _derived_defaults(self) -> dict[str, MeshAxes]:
         tp, sp = self.tensor_parallel_axis, self.sequence_parallel_axis
+        data = (self.fully_sharded_data_parallel_axis, self.data_parallel_axis)
         return {
-            "batch_axis": (self.fully_sharded_data_parallel_axis, self.data_parallel_axis),
+            "batch_axis": (*data, self.expert_parallel_axis) if self.ep_as_fsdp else data,
+            "expert_batch_axis": data,
             "sequence_axis": sp,
             "query_sequence_axis": sp,
             "head_axis": tp,
@@ -249,12 +271,16 @@ class PartitionAxis:
         """
         axes = self.logical_axes(generation=generation)
         fallback = (self.fully_sharded_data_parallel_axis, self.sequence_parallel_axis)
+        # With ep_as_fsdp, ep joins the fallback where the array does not already use it (an
+        # expert kernel's expert dimension does), and the plain fallback follows for those.
+        tiers = [(*fallback, self.expert_parallel_axis)] if self.ep_as_fsdp else []
         first = [(name, axes[name]) for name in _WIDE]
         rest = [(name, value) for name, value in axes.items() if name not in _WIDE]
         fallbacks = [
-            (name, fallback)
+            (name, tier)
+            for tier in (*tiers, fallback)
             for name in ("hidden_state", *_WIDE)
-            if axes[name] is not None and axes[name] != fallback
+            if axes[name] is not None and axes[name] != tier
         ]
         rules = first + rest + fallbacks
         if not self.aliases:

@@ -12,12 +12,14 @@ from flax_escale.sharding._constraint import apply_spec, with_sharding_constrain
 from flax_escale.sharding._context import use_sharding
 from flax_escale.sharding._logical import constrain
 from flax_escale.sharding._rules import PartitionRuleError, specs_from_regex
+from flax_escale.sharding._shard_map import logical_shard_map
 from flax_escale.sharding._transfer import make_shard_and_gather_fns, reshard_tree
 
 __all__ = [
     "PartitionRuleError",
     "apply_spec",
     "constrain",
+    "logical_shard_map",
     "make_shard_and_gather_fns",
     "reshard_tree",
     "spec_from_shape",

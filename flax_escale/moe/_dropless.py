@@ -1,0 +1,250 @@
+"""Dropless dispatch: every token to the devices holding its experts and back, in shard_map."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from flax_escale.errors import EscaleError, NoMeshError
+from flax_escale.mesh import current_mesh
+from flax_escale.moe._experts import EXPERT_AXES, GatedExperts
+from flax_escale.moe._routing import Routing
+from flax_escale.resolve import RulesLike, as_logical_rules, resolve_logical_axes
+from flax_escale.sharding import logical_shard_map
+
+__all__ = ["Exchange", "dropless_dispatch"]
+
+Exchange = Literal["all_to_all", "ragged_all_to_all"]
+"""How tokens cross the expert axis: a sorted, padded ``jax.lax.all_to_all`` that runs on
+every backend, or ``jax.lax.ragged_all_to_all``, which sends only the rows it has (XLA's TPU
+and GPU backends run it; XLA:CPU compiles it but cannot run it)."""
+
+_TOKENS = ("batch", "sequence", None)
+
+
+def dropless_dispatch(
+    x: jax.Array,
+    routing: Routing,
+    experts: GatedExperts,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+    exchange: Exchange,
+    mesh: Mesh | AbstractMesh | None,
+    rules: RulesLike,
+) -> jax.Array:
+    """Computes every token's experts, none dropped, moving tokens rather than weights.
+
+    Each device sorts its token assignments by expert, sends each to the device holding that
+    expert (an all-to-all over the mesh axes of the ``expert`` dimension), runs its own experts
+    as grouped matmuls (``jax.lax.ragged_dot``) over what it received, and sends the results
+    back the same way. The body is a :func:`~flax_escale.sharding.logical_shard_map`, so the
+    same code runs on any mesh: tokens are split as ``(batch, sequence)`` resolve, experts as
+    ``expert`` does, and their intermediate dimension's mesh axes (``tp``) are summed over.
+    Without a mesh it is the same computation on one device.
+    """
+    if mesh is None:
+        try:
+            mesh = current_mesh()
+        except NoMeshError:
+            return _local(x, routing, experts, activation, exchange, (), ())
+    frozen = as_logical_rules(rules)
+    token_axes = _axes_of(
+        resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec, [0, 1]
+    )
+    stored = resolve_logical_axes(
+        EXPERT_AXES["wi_gate"], frozen, shape=experts.wi_gate.shape, mesh=mesh
+    ).spec
+    expert_axes = _axes_of(stored, [0])
+    if set(expert_axes) & set(token_axes) and not set(expert_axes) <= set(token_axes):
+        raise EscaleError(
+            f"dropless dispatch: the experts are split over {expert_axes} and the tokens over "
+            f"{token_axes}, which share some of those mesh axes but not all; map 'batch' to "
+            "all of the expert axes (PartitionAxis(ep_as_fsdp=True)) or to none of them."
+        )
+    # Inside the body each device holds whole rows of its experts (the hidden dimension is
+    # gathered, as FSDP gathers any weight before its use); the intermediate dimension stays
+    # split over the mesh axes the tokens do not use, and the outputs are summed over them.
+    sum_axes = tuple(
+        a for a in _axes_of(stored, [2]) if a not in token_axes and a not in expert_axes
+    )
+    kernel = PartitionSpec(expert_axes or None, None, sum_axes or None)
+    body = functools.partial(
+        _body,
+        activation=activation,
+        exchange=exchange,
+        expert_axes=expert_axes,
+        sum_axes=sum_axes,
+        split_tokens=not set(expert_axes) <= set(token_axes),
+    )
+    token_spec = resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec
+    out_axes: tuple[str | None, ...] | PartitionSpec = _TOKENS
+    if body.keywords["split_tokens"]:
+        # Each device of an expert group takes its share of the batch, which then leaves
+        # the body split over the expert axes too (minor to the batch's own axes).
+        batch_axes = _axes_of(token_spec, [0])
+        if x.shape[0] % math.prod(mesh.shape[a] for a in (*batch_axes, *expert_axes)):
+            raise EscaleError(
+                f"dropless dispatch: the batch of x {tuple(x.shape)} is split over "
+                f"{batch_axes or 'no mesh axis'}, and each device of the expert "
+                f"axes {expert_axes} takes an equal share of it, which needs a batch that "
+                "divides by their product; use such a batch, or PartitionAxis(ep_as_fsdp=True) "
+                "so that the batch is split over the expert axes already."
+            )
+        out_axes = PartitionSpec((*batch_axes, *expert_axes), *token_spec[1:2], None)
+    mapped = logical_shard_map(
+        body,
+        in_axes=[_TOKENS, _TOKENS, _TOKENS, GatedExperts(kernel, kernel, _transposed(kernel))],
+        out_axes=out_axes,
+        mesh=mesh,
+        rules=frozen,
+    )
+    return mapped(x, routing.experts, routing.weights, experts)
+
+
+def _transposed(spec: PartitionSpec) -> PartitionSpec:
+    return PartitionSpec(spec[0], spec[2], spec[1])
+
+
+def _axes_of(spec: PartitionSpec, dims: range | list[int]) -> tuple[str, ...]:
+    entries = [spec[d] if d < len(spec) else None for d in dims]
+    return tuple(a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e))
+
+
+def _body(
+    x: jax.Array,
+    experts_of: jax.Array,
+    weights: jax.Array,
+    experts: GatedExperts,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+    exchange: Exchange,
+    expert_axes: tuple[str, ...],
+    sum_axes: tuple[str, ...],
+    split_tokens: bool,
+) -> jax.Array:
+    if not split_tokens:
+        return _local(
+            x,
+            Routing(experts_of, weights, None),
+            experts,
+            activation,
+            exchange,
+            expert_axes,
+            sum_axes,
+        )
+    # The tokens are the same on every device of an expert group: each takes its share.
+    size = jax.lax.axis_size(expert_axes)
+    index = jax.lax.axis_index(expert_axes)
+    share = [
+        jax.lax.dynamic_slice_in_dim(a, index * (a.shape[0] // size), a.shape[0] // size)
+        for a in (x, experts_of, weights)
+    ]
+    return _local(
+        share[0],
+        Routing(share[1], share[2], None),
+        experts,
+        activation,
+        exchange,
+        expert_axes,
+        sum_axes,
+    )
+
+
+def _local(
+    x: jax.Array,
+    routing: Routing,
+    experts: GatedExperts,
+    activation: Callable[[jax.Array], jax.Array],
+    exchange: Exchange,
+    expert_axes: tuple[str, ...],
+    sum_axes: tuple[str, ...],
+) -> jax.Array:
+    """One device's tokens through the experts of its group, with every row kept."""
+    *lead, hidden = x.shape
+    top_k = routing.experts.shape[-1]
+    tokens = math.prod(lead)
+    rows = tokens * top_k
+    flat = routing.experts.reshape(rows)
+    order = jnp.argsort(flat, stable=True)
+    sent = x.reshape(tokens, hidden)[order // top_k]
+    num_experts = experts.num_experts * (jax.lax.axis_size(expert_axes) if expert_axes else 1)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if expert_axes:
+        out = _exchanged(
+            sent, flat[order], counts, experts, activation, exchange, expert_axes, sum_axes
+        )
+    else:
+        out = experts.grouped(sent, counts, activation)
+        out = jax.lax.psum(out, sum_axes) if sum_axes else out
+    per_row = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    per_row = per_row.reshape(tokens, top_k, hidden)
+    mixed = jnp.einsum(
+        "tkh,tk->th", per_row, routing.weights.reshape(tokens, top_k).astype(per_row.dtype)
+    )
+    return mixed.reshape(x.shape)
+
+
+def _exchanged(
+    sent: jax.Array,
+    sent_experts: jax.Array,
+    counts: jax.Array,
+    experts: GatedExperts,
+    activation: Callable[[jax.Array], jax.Array],
+    exchange: Exchange,
+    expert_axes: tuple[str, ...],
+    sum_axes: tuple[str, ...],
+) -> jax.Array:
+    """``sent`` (rows sorted by expert) through the experts, wherever they are, and back."""
+    rows, hidden = sent.shape
+    peers = jax.lax.axis_size(expert_axes)
+    local = experts.num_experts
+    to_peer = counts.reshape(peers, local)
+    sizes = to_peer.sum(axis=1)
+    offsets = jnp.cumsum(sizes) - sizes
+    # What each peer sends here, per expert of this device: row p of peer s's block.
+    from_peer = jax.lax.all_to_all(to_peer, expert_axes, 0, 0, tiled=True)
+    received_sizes = from_peer.sum(axis=1)
+    if exchange == "all_to_all":
+        peer = sent_experts // local
+        slot = jnp.arange(rows) - offsets[peer]
+        blocks = jnp.zeros((peers, rows, hidden), sent.dtype).at[peer, slot].set(sent)
+        received = jax.lax.all_to_all(blocks, expert_axes, 0, 0, tiled=True)
+    else:
+        here = jax.lax.axis_index(expert_axes)
+        received = jax.lax.ragged_all_to_all(
+            sent,
+            jnp.zeros((peers * rows, hidden), sent.dtype),
+            offsets,
+            sizes,
+            jnp.full((peers,), here * rows, jnp.int32),
+            received_sizes,
+            axis_name=expert_axes,
+        ).reshape(peers, rows, hidden)
+    # Sort what arrived by local expert (rows past each peer's block last) for the grouped
+    # matmuls, then undo the sort.
+    ends = jnp.cumsum(from_peer, axis=1)
+    expert_of_row = (jnp.arange(rows)[None, :, None] >= ends[:, None, :]).sum(-1)
+    by_expert = jnp.argsort(expert_of_row.reshape(-1), stable=True)
+    out = experts.grouped(received.reshape(-1, hidden)[by_expert], from_peer.sum(0), activation)
+    out = jax.lax.psum(out, sum_axes) if sum_axes else out
+    out = jnp.zeros_like(out).at[by_expert].set(out, unique_indices=True)
+    if exchange == "all_to_all":
+        back = jax.lax.all_to_all(out.reshape(peers, rows, hidden), expert_axes, 0, 0, tiled=True)
+        return back[peer, slot]
+    # Each block goes back to where its sender took it from.
+    sender_offsets = jax.lax.all_to_all(offsets, expert_axes, 0, 0, tiled=True)
+    return jax.lax.ragged_all_to_all(
+        out,
+        jnp.zeros((rows, hidden), out.dtype),
+        jnp.arange(peers, dtype=jnp.int32) * rows,
+        received_sizes,
+        sender_offsets,
+        sizes,
+        axis_name=expert_axes,
+    )

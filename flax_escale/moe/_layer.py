@@ -1,0 +1,166 @@
+"""A mixture-of-experts MLP: route, dispatch by the chosen strategy, combine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
+
+from flax_escale import _checks as check
+from flax_escale.errors import EscaleError
+from flax_escale.moe._capacity import capacity_dispatch
+from flax_escale.moe._dropless import Exchange, dropless_dispatch
+from flax_escale.moe._experts import GatedExperts
+from flax_escale.moe._routing import route_top_k
+from flax_escale.resolve import RulesLike
+from flax_escale.sharding import constrain
+
+__all__ = ["STRATEGIES", "MoeOutput", "Strategy", "moe_mlp"]
+
+Strategy = Literal["capacity", "dropless"]
+STRATEGIES: tuple[Strategy, ...] = ("capacity", "dropless")
+"""The dispatch strategies of :func:`moe_mlp`."""
+_EXCHANGES = ("all_to_all", "ragged_all_to_all")
+_ACTIVATION = ("batch", "sequence", "hidden_state")
+
+
+class MoeOutput(NamedTuple):
+    """What :func:`moe_mlp` returns.
+
+    Attributes:
+        output: ``(batch, sequence, hidden)``, the weighted sum of each token's experts.
+        aux_loss: The router's load-balancing loss (see :class:`Routing`).
+        dropped: How many token assignments found their expert full (int32; always 0 for
+            the dropless strategy). Their share of the output is zero.
+    """
+
+    output: jax.Array
+    aux_loss: jax.Array
+    dropped: jax.Array
+
+
+def moe_mlp(
+    x: jax.Array,
+    router_kernel: jax.Array,
+    experts: GatedExperts,
+    *,
+    top_k: int,
+    strategy: Strategy = "capacity",
+    capacity_factor: float = 1.25,
+    exchange: Exchange = "all_to_all",
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: RulesLike = None,
+) -> MoeOutput:
+    """Each token through its ``top_k`` experts, sharded by the logical rules.
+
+    Two strategies, one result when nothing overflows:
+
+    - ``"capacity"`` (GShard's): each sequence's tokens take fixed-size slots per expert
+      (``capacity_factor`` times an even share); one-hot einsums dispatch and combine them, and
+      logical constraints put the experts on ``ep``, so XLA moves tokens with all-to-alls.
+      Shapes are static and the matmuls dense, which suits TPUs; assignments beyond capacity
+      are dropped and counted in ``dropped``. The dispatch masks grow with the square of the
+      sequence length, so keep sequences (the groups) to a few thousand tokens.
+    - ``"dropless"``: a :func:`~flax_escale.sharding.logical_shard_map` body sorts the
+      assignments by expert, sends them to the devices that hold their experts, and runs
+      grouped matmuls (``jax.lax.ragged_dot``); nothing is dropped and no slot is computed in
+      vain. ``exchange`` picks the collective: ``"all_to_all"`` (padded to the worst case of
+      every row going to one device: ``ep`` times the bytes, runs everywhere) or
+      ``"ragged_all_to_all"`` (only the rows sent; TPU and GPU).
+
+    Args:
+        x: ``(batch, sequence, hidden)`` activations.
+        router_kernel: ``(hidden, num_experts)``.
+        experts: The experts' kernels.
+        top_k: Experts per token.
+        strategy: ``"capacity"`` or ``"dropless"``.
+        capacity_factor: Slots per expert, as a multiple of an even share (``"capacity"``).
+        exchange: ``"all_to_all"`` or ``"ragged_all_to_all"`` (``"dropless"``).
+        activation: The gate's activation (``silu``: SwiGLU).
+        mesh: The mesh; defaults to the current one (none: one device).
+        rules: The rules; defaults to Flax's rules context, then to ``PartitionAxis()``.
+
+    Returns:
+        The :class:`MoeOutput`.
+
+    Raises:
+        EscaleError: For an unknown strategy or exchange, a capacity factor that is not
+            above 0, or shapes that do not fit together (named in the message).
+        EscaleTypeError: If ``experts`` is not a :class:`GatedExperts`, or
+            ``capacity_factor`` not a number.
+
+    Example:
+        >>> import jax
+        >>> from flax_escale.moe import GatedExperts, moe_mlp
+        >>> keys = jax.random.split(jax.random.key(0), 5)
+        >>> x = jax.random.normal(keys[0], (2, 8, 16))
+        >>> router = jax.random.normal(keys[1], (16, 4))
+        >>> experts = GatedExperts(*(jax.random.normal(k, s) * 0.1 for k, s in zip(
+        ...     keys[2:], [(4, 16, 32), (4, 16, 32), (4, 32, 16)])))
+        >>> capacity = moe_mlp(x, router, experts, top_k=2, capacity_factor=4.0)
+        >>> dropless = moe_mlp(x, router, experts, top_k=2, strategy="dropless")
+        >>> int(capacity.dropped), bool(jax.numpy.allclose(capacity.output, dropless.output,
+        ...                                                  atol=1e-5))
+        (0, True)
+    """
+    _check(x, router_kernel, experts, strategy, capacity_factor, exchange)
+    x = constrain(x, _ACTIVATION, mesh=mesh, rules=rules)
+    logits = jnp.einsum("bsh,he->bse", x, router_kernel)
+    routing = route_top_k(logits, top_k)
+    if strategy == "capacity":
+        out, dropped = capacity_dispatch(
+            x,
+            routing,
+            experts,
+            activation=activation,
+            capacity_factor=capacity_factor,
+            mesh=mesh,
+            rules=rules,
+        )
+    else:
+        out = dropless_dispatch(
+            x, routing, experts, activation=activation, exchange=exchange, mesh=mesh, rules=rules
+        )
+        dropped = jnp.zeros((), jnp.int32)
+    out = constrain(out, _ACTIVATION, mesh=mesh, rules=rules)
+    return MoeOutput(out, routing.aux_loss, dropped.astype(jnp.int32))
+
+
+def _check(
+    x: jax.Array,
+    router_kernel: jax.Array,
+    experts: GatedExperts,
+    strategy: object,
+    capacity_factor: float,
+    exchange: object,
+) -> None:
+    if strategy not in STRATEGIES:
+        raise EscaleError(f"moe_mlp: strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if exchange not in _EXCHANGES:
+        raise EscaleError(f"moe_mlp: exchange must be one of {_EXCHANGES}, got {exchange!r}.")
+    check.positive_number(capacity_factor, "moe_mlp: capacity_factor")
+    check.instance(experts, GatedExperts, "experts", "GatedExperts(wi_gate, wi_up, wo)")
+    hidden = jnp.shape(x)[-1]
+    num_experts, expert_hidden, mlp = jnp.shape(experts.wi_gate)
+    shapes = {
+        "x": (jnp.shape(x), (None, None, hidden)),
+        "router_kernel": (jnp.shape(router_kernel), (hidden, num_experts)),
+        "experts.wi_up": (jnp.shape(experts.wi_up), (num_experts, hidden, mlp)),
+        "experts.wo": (jnp.shape(experts.wo), (num_experts, mlp, hidden)),
+    }
+    if expert_hidden != hidden:
+        shapes["experts.wi_gate"] = (jnp.shape(experts.wi_gate), (num_experts, hidden, mlp))
+    for name, (shape, want) in shapes.items():
+        fits = len(shape) == len(want) and all(
+            w is None or s == w for s, w in zip(shape, want, strict=True)
+        )
+        if not fits:
+            raise EscaleError(
+                f"moe_mlp: {name} has shape {tuple(shape)}; with x {tuple(jnp.shape(x))} and "
+                f"experts.wi_gate {tuple(jnp.shape(experts.wi_gate))} (experts, hidden, mlp) it "
+                f"must be {tuple('any' if w is None else w for w in want)}."
+            )

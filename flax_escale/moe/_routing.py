@@ -1,0 +1,70 @@
+"""Top-k routing: which experts each token goes to, with what weight, and how balanced."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from flax_escale.errors import EscaleError
+
+__all__ = ["Routing", "route_top_k"]
+
+
+class Routing(NamedTuple):
+    """The routing of a batch of tokens.
+
+    Attributes:
+        experts: ``(..., top_k)`` int32: each token's experts, most probable first.
+        weights: ``(..., top_k)`` float32: the weights of their outputs, summing to 1.
+        aux_loss: The load-balancing loss (a float32 scalar): ``num_experts`` times the sum
+            over experts of the share of assignments it received times its mean router
+            probability. It is 1 when the router spreads tokens evenly, up to ``num_experts``
+            when every token goes to one expert; training adds a small multiple of it to the
+            loss so that no expert is starved or overflows.
+    """
+
+    experts: jax.Array
+    weights: jax.Array
+    aux_loss: jax.Array
+
+
+def route_top_k(logits: jax.Array, top_k: int) -> Routing:
+    """Routes each token to its ``top_k`` most probable experts.
+
+    The probabilities are a softmax over all experts, in float32; the weights of the chosen
+    experts are renormalized to sum to 1 (so for ``top_k=2`` they are the softmax of the two
+    logits, as Mixtral weighs them). Ties go to the lower expert index, on every device alike.
+
+    Args:
+        logits: ``(..., num_experts)`` router logits.
+        top_k: How many experts each token goes to.
+
+    Returns:
+        The :class:`Routing`.
+
+    Raises:
+        EscaleError: If ``top_k`` is not between 1 and the number of experts.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax_escale.moe import route_top_k
+        >>> routing = route_top_k(jnp.array([[0.0, 2.0, 1.0, 0.0]]), top_k=2)
+        >>> routing.experts.tolist(), [round(w, 3) for w in routing.weights[0].tolist()]
+        ([[1, 2]], [0.731, 0.269])
+    """
+    num_experts = logits.shape[-1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise EscaleError(
+            f"route_top_k: top_k must be an int from 1 to the number of experts "
+            f"({num_experts}, the last dimension of logits {tuple(logits.shape)}), got {top_k!r}."
+        )
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, experts = jax.lax.top_k(probs, top_k)
+    weights = top / top.sum(axis=-1, keepdims=True)
+    flat_probs = probs.reshape(-1, num_experts)
+    assigned = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).reshape(-1, num_experts)
+    share = assigned.sum(axis=0) / assigned.sum()
+    aux_loss = num_experts * jnp.sum(share * flat_probs.mean(axis=0))
+    return Routing(experts.astype(jnp.int32), weights, aux_loss)
