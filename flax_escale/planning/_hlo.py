@@ -65,7 +65,7 @@ __all__ = [
     "program_costs",
 ]
 
-READER_VERSION = 3
+READER_VERSION = 4
 """Changes whenever the same program text would be read into other figures (cached figures
 keyed by the program alone would otherwise outlive a fix to the reader)."""
 
@@ -99,10 +99,13 @@ class CollectiveCost:
 
     Attributes:
         count: How many times it runs.
-        bytes: The size of its results, summed over every run.
+        bytes: The size of its results, summed over every run. A ``ragged-all-to-all``'s
+            result is a buffer for the worst case; it counts the smaller of its operand and
+            result, what moves when the rows are spread evenly.
         wire_bytes: What one device sends over the interconnect for them, by the ring
             algorithms' volumes (an all-reduce of ``b`` bytes over ``n`` devices sends
-            ``2 b (n - 1) / n``, an all-gather ``b (n - 1) / n``, a reduce-scatter ``b (n - 1)``).
+            ``2 b (n - 1) / n``, an all-gather ``b (n - 1) / n``, a reduce-scatter ``b (n - 1)``,
+            an all-to-all ``b (n - 1) / n``).
     """
 
     count: int
@@ -317,7 +320,7 @@ class _Walk:
             if collectives:
                 # A -done's start holds the replica groups.
                 start = computation.by_name.get(op.operands[0]) if done and op.operands else None
-                self._collective(sums, kind, op, start or op)
+                self._collective(sums, kind, op, start or op, computation)
                 if kind == "all-reduce":
                     n = group_size(start or op, self.module.devices)
                     for array in rewrites.sliced_arrays(self.module, computation, op, n):
@@ -368,9 +371,21 @@ class _Walk:
         for callee in callees:
             _merge(sums, self.total(callee, collectives and not repeats), 1)
 
-    def _collective(self, sums: _Sums, kind: str, op: Instruction, grouped: Instruction) -> None:
-        # ``op`` gives the result, ``grouped`` the replica groups.
+    def _collective(
+        self,
+        sums: _Sums,
+        kind: str,
+        op: Instruction,
+        grouped: Instruction,
+        computation: Computation,
+    ) -> None:
+        # ``op`` gives the result, ``grouped`` the replica groups and operands.
         size = array_bytes(op.shape)
+        if kind == "ragged-all-to-all" and grouped.operands:
+            # Its buffers are sized for the worst case (every row to one device, or back from
+            # every device); balanced routing moves the smaller of what it sends and receives.
+            source = computation.by_name.get(grouped.operands[0])
+            size = min(size, array_bytes(source.shape)) if source is not None else size
         _add(sums, (kind, "count"), 1)
         _add(sums, (kind, "bytes"), size)
         _add(sums, (kind, "wire"), size * _WIRE[kind](group_size(grouped, self.module.devices)))
