@@ -148,11 +148,11 @@ def loss_fn(params, apply_fn, tokens, aux_loss_weight):
 @jax.jit
 def train_step(
     state: TrainState, tokens: jax.Array, aux_loss_weight: float = 0.01
-) -> tuple[TrainState, jax.Array, jax.Array]:
-    """One AdamW step; returns the new state, the cross-entropy and the dropped assignments."""
+) -> tuple[TrainState, tuple[jax.Array, jax.Array]]:
+    """One AdamW step; returns the new state, and the cross-entropy and dropped assignments."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, (loss, dropped)), grads = grad_fn(state.params, state.apply_fn, tokens, aux_loss_weight)
-    return state.apply_gradients(grads=grads), loss, dropped
+    (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, aux_loss_weight)
+    return state.apply_gradients(grads=grads), metrics
 
 
 def workload(config: Config = SMALL, batch: int = 16) -> Workload:
@@ -214,7 +214,7 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
         for step in range(args.steps):
             tokens = fe.constrain(next(data), ("batch", "sequence"))
             start = time.perf_counter()
-            state, loss, dropped = train_step(state, tokens, config.aux_loss_weight)
+            state, (loss, dropped) = train_step(state, tokens, config.aux_loss_weight)
             losses.append(float(loss))
             if step % 5 == 0 or step == args.steps - 1:
                 ms = (time.perf_counter() - start) * 1e3

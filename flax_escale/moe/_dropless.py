@@ -54,9 +54,8 @@ def dropless_dispatch(
         except NoMeshError:
             return _local(x, routing, experts, activation, exchange, (), ())
     frozen = as_logical_rules(rules)
-    token_axes = _axes_of(
-        resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec, [0, 1]
-    )
+    token_spec = resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec
+    token_axes = _axes_of(token_spec, [0, 1])
     stored = resolve_logical_axes(
         EXPERT_AXES["wi_gate"], frozen, shape=experts.wi_gate.shape, mesh=mesh
     ).spec
@@ -74,17 +73,9 @@ def dropless_dispatch(
         a for a in _axes_of(stored, [2]) if a not in token_axes and a not in expert_axes
     )
     kernel = PartitionSpec(expert_axes or None, None, sum_axes or None)
-    body = functools.partial(
-        _body,
-        activation=activation,
-        exchange=exchange,
-        expert_axes=expert_axes,
-        sum_axes=sum_axes,
-        split_tokens=not set(expert_axes) <= set(token_axes),
-    )
-    token_spec = resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec
+    split_tokens = not set(expert_axes) <= set(token_axes)
     out_axes: tuple[str | None, ...] | PartitionSpec = _TOKENS
-    if body.keywords["split_tokens"]:
+    if split_tokens:
         # Each device of an expert group takes its share of the batch, which then leaves
         # the body split over the expert axes too (minor to the batch's own axes).
         batch_axes = _axes_of(token_spec, [0])
@@ -96,7 +87,16 @@ def dropless_dispatch(
                 "divides by their product; use such a batch, or PartitionAxis(ep_as_fsdp=True) "
                 "so that the batch is split over the expert axes already."
             )
-        out_axes = PartitionSpec((*batch_axes, *expert_axes), *token_spec[1:2], None)
+        sequence = token_spec[1] if len(token_spec) > 1 else None
+        out_axes = PartitionSpec((*batch_axes, *expert_axes), sequence, None)
+    body = functools.partial(
+        _body,
+        activation=activation,
+        exchange=exchange,
+        expert_axes=expert_axes,
+        sum_axes=sum_axes,
+        split_tokens=split_tokens,
+    )
     mapped = logical_shard_map(
         body,
         in_axes=[_TOKENS, _TOKENS, _TOKENS, GatedExperts(kernel, kernel, _transposed(kernel))],

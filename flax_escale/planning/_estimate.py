@@ -129,7 +129,8 @@ def explain(
 ) -> str:
     """Why a mesh's estimate is what it is, in the scaling book's terms.
 
-    Which term dominates; which collective moves most of the bytes; and the tokens each
+    Which term dominates; which collective moves most of the bytes (and the all-to-alls'
+    share, where expert parallelism moves tokens with them); and the tokens each
     device computes on per step against the ratio of its peak FLOP/s to its interconnect
     bandwidth (data and fully-sharded parallelism are compute-bound only above it).
 
@@ -139,6 +140,9 @@ def explain(
         >>> explain(2e-3, 1e-3, {"all-gather": (4, 0, 3e6), "all-reduce": (1, 0, 1e6)}, 4096,
         ...         PROFILES["tpu-v5e"])
         'compute-bound (67%); all-gather sends 75% of the bytes; 4,096 tokens/device, above the 985 of 197 TFLOP/s over 200 GB/s'
+        >>> explain(1e-3, 2e-3, {"all-gather": (4, 0, 3e6), "all-to-all": (8, 0, 1e6)}, None,
+        ...         PROFILES["tpu-v5e"])
+        'communication-bound (67%); all-gather sends 75% of the bytes; all-to-all 25%'
     """  # noqa: E501
     total = compute + communication
     bound = "compute" if compute >= communication else "communication"
@@ -148,6 +152,12 @@ def explain(
     if wire:
         kind, cost = max(collectives.items(), key=lambda item: item[1][2])
         parts.append(f"{kind} sends {cost[2] / wire:.0%} of the bytes")
+        # Expert parallelism's cost is its all-to-alls: named whenever a step has any.
+        exchanged = sum(
+            c[2] for k, c in collectives.items() if k.endswith("all-to-all") and k != kind
+        )
+        if exchanged:
+            parts.append(f"all-to-all {exchanged / wire:.0%}")
     if tokens_per_device is not None:
         threshold = profile.flops_per_second / profile.interconnect_bytes_per_second
         side = "above" if tokens_per_device >= threshold else "below"

@@ -41,6 +41,25 @@ def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.parametrize("strategy", ["capacity", "dropless"])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_moe_examples_print_their_plan_and_their_loss_falls(capsys, api, strategy):
+    example = load(f"{api}_moe")
+    losses = example.main(["--steps", "10", "--strategy", strategy])
+    out = capsys.readouterr().out
+    prefix = "params/" if api == "linen" else ""
+    assert f"{prefix}blocks/moe/wi_gate" in out
+    assert "('layers', 'expert', 'hidden_state', 'mlp_intermediate')" in out
+    # 1 x 2 x 4 dp x fsdp x ep: experts over ep and fsdp, everything else over both too.
+    assert str(P(None, "ep", ("fsdp", "sp"), None)) in out
+    assert str(P(None, ("fsdp", "sp", "ep"), None, None)) in out
+    assert "0 corrections, 0 unannotated" in out
+    dropped = [int(n) for n in re.findall(r"dropped (\d+) of 2048", out)]
+    assert len(dropped) == 3
+    assert (max(dropped) == 0) is (strategy == "dropless")
+    assert losses[-1] < 0.8 * losses[0]
+
+
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_main_job_plans_trains_and_reports_memory(capsys, api):
     losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
