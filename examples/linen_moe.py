@@ -14,15 +14,12 @@ DeepSeekMoE 16B's among them for compile-only measurements (``bench/moe.py``).
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import backend_choice
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import moe_config
 import optax
-import toy_data
 from flax.training.train_state import TrainState
 from linen_gpt import Attention
 from moe_config import EXPERT_INIT, RULES, SMALL, Config
@@ -173,57 +170,21 @@ def workload(config: Config = SMALL, batch: int = 16) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    backend_choice.add_devices_argument(parser)
-    parser.add_argument(
-        "--mesh",
-        default=None,
-        help="sizes of dp,fsdp,ep,tp,sp (default 1,2,4,1,1 on cpu, 1,1,-1,1,1 on accelerators)",
-    )
-    parser.add_argument("--strategy", choices=moe.STRATEGIES, default="capacity")
-    parser.add_argument(
-        "--exchange", choices=("all_to_all", "ragged_all_to_all"), default="all_to_all"
-    )
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=16)
-    args = parser.parse_args(argv)
+    args, config = moe_config.command_line(__doc__.splitlines()[0], argv)
     devices = backend_choice.select_devices(args.devices)  # before any backend starts
     print(backend_choice.describe(devices))
     with jax.default_device(devices[0]):
-        return _train(args, devices)
-
-
-def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
-    config = Config(
-        strategy=args.strategy, exchange=args.exchange, capacity_factor=args.capacity_factor
-    )
-    mesh_text = args.mesh or ("1,2,4,1,1" if args.devices == "cpu" else "1,1,-1,1,1")
-    mesh = fe.parse_mesh_from_string(mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
-    model = MoeDecoder(config)
-    rng = jax.random.key(0)
-    example = jnp.zeros((args.batch, config.max_len), jnp.int32)
-
-    print(fe.plan_sharding(model, mesh, rng, example, rules=RULES).describe())
-    tx = optax.adamw(3e-3)
-    state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=RULES)
-
-    losses = []
-    data = toy_data.batches(config.vocab, args.batch, config.max_len)
-    with fe.use_sharding(mesh, RULES):
-        for step in range(args.steps):
-            tokens = fe.constrain(next(data), ("batch", "sequence"))
-            start = time.perf_counter()
-            state, (loss, dropped) = train_step(state, tokens, config.aux_loss_weight)
-            losses.append(float(loss))
-            if step % 5 == 0 or step == args.steps - 1:
-                ms = (time.perf_counter() - start) * 1e3
-                print(
-                    f"step {step:3d}  loss {losses[-1]:.4f}  dropped {int(dropped)} of "
-                    f"{args.batch * config.max_len * config.top_k * config.layers}  ({ms:.0f} ms)"
-                )
-    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
-    return losses
+        mesh = moe_config.mesh_of(args, devices)
+        model = MoeDecoder(config)
+        rng = jax.random.key(0)
+        example = jnp.zeros((args.batch, config.max_len), jnp.int32)
+        print(fe.plan_sharding(model, mesh, rng, example, rules=RULES).describe())
+        tx = optax.adamw(3e-3)
+        state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=RULES)
+        weight = config.aux_loss_weight
+        return moe_config.train(
+            lambda state, tokens: train_step(state, tokens, weight), state, config, args, mesh
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""The mixture-of-experts examples' configurations and rules, shared by Linen and NNX."""
+"""What the mixture-of-experts examples share: configurations, rules and the training loop."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
 
+import backend_choice
 import jax
+import toy_data
 
 import flax_escale as fe
 from flax_escale import moe
@@ -64,5 +70,79 @@ DEEPSEEK_MOE_16B = Config(
     layers=28,
     max_len=4096,
 )
+# DeepSeek-style proportions at a size the planner compiles quickly for 64 devices.
+MANY_SMALL_EXPERTS = Config(
+    hidden=256,
+    heads=8,
+    kv_heads=8,
+    head_dim=32,
+    mlp=128,
+    experts=64,
+    top_k=6,
+    shared_experts=2,
+    layers=2,
+    max_len=64,
+)
 SMALL = Config()
-CONFIGS = {"small": SMALL, "mixtral-8x7b": MIXTRAL_8X7B, "deepseek-moe-16b": DEEPSEEK_MOE_16B}
+CONFIGS = {
+    "small": SMALL,
+    "many-small-experts": MANY_SMALL_EXPERTS,
+    "mixtral-8x7b": MIXTRAL_8X7B,
+    "deepseek-moe-16b": DEEPSEEK_MOE_16B,
+}
+
+
+def command_line(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    """The examples' options, and the small configuration with the dispatch they choose."""
+    parser = argparse.ArgumentParser(description=description)
+    backend_choice.add_devices_argument(parser)
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="sizes of dp,fsdp,ep,tp,sp (default 1,2,4,1,1 on cpu, 1,1,-1,1,1 on accelerators)",
+    )
+    parser.add_argument("--strategy", choices=moe.STRATEGIES, default="capacity")
+    parser.add_argument(
+        "--exchange", choices=("all_to_all", "ragged_all_to_all"), default="all_to_all"
+    )
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args(argv)
+    config = dataclasses.replace(
+        SMALL, strategy=args.strategy, exchange=args.exchange, capacity_factor=args.capacity_factor
+    )
+    return args, config
+
+
+def mesh_of(args: argparse.Namespace, devices: list[jax.Device]) -> jax.sharding.Mesh:
+    """``--mesh``, or the default: ``fsdp=2 x ep=4`` on CPU, every device on ``ep`` else."""
+    text = args.mesh or ("1,2,4,1,1" if args.devices == "cpu" else "1,1,-1,1,1")
+    return fe.parse_mesh_from_string(text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
+
+
+def train(
+    step: Callable[[Any, jax.Array], tuple[Any, tuple[jax.Array, jax.Array]]],
+    state: Any,
+    config: Config,
+    args: argparse.Namespace,
+    mesh: jax.sharding.Mesh,
+) -> list[float]:
+    """Runs ``step(state, tokens) -> (state, (loss, dropped))``; prints and returns losses."""
+    losses = []
+    data = toy_data.batches(config.vocab, args.batch, config.max_len)
+    assignments = args.batch * config.max_len * config.top_k * config.layers
+    with fe.use_sharding(mesh, RULES):
+        for i in range(args.steps):
+            tokens = fe.constrain(next(data), ("batch", "sequence"))
+            start = time.perf_counter()
+            state, (loss, dropped) = step(state, tokens)
+            losses.append(float(loss))
+            if i % 5 == 0 or i == args.steps - 1:
+                ms = (time.perf_counter() - start) * 1e3
+                print(
+                    f"step {i:3d}  loss {losses[-1]:.4f}  dropped {int(dropped)} of "
+                    f"{assignments}  ({ms:.0f} ms)"
+                )
+    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
+    return losses

@@ -10,16 +10,13 @@ from the same :mod:`flax_escale.moe` functions.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import backend_choice
 import jax
 import jax.numpy as jnp
+import moe_config
 import optax
-import toy_data
 from flax import nnx
-from moe_config import EXPERT_INIT, RULES, SMALL, Config
+from moe_config import EXPERT_INIT, MANY_SMALL_EXPERTS, RULES, SMALL, Config
 from nnx_llama import Attention
 
 import flax_escale as fe
@@ -168,55 +165,31 @@ def workload(config: Config = SMALL, batch: int = 16) -> Workload:
     )
 
 
+def workload_64() -> Workload:
+    """DeepSeek-style proportions (64 experts, six per token, two shared) for 64 devices.
+
+    ``python -m flax_escale plan nnx_moe:workload_64 --devices 64`` (from ``examples/``)
+    ranks the meshes of 64 devices, ``ep`` ones among them.
+    """
+    return workload(MANY_SMALL_EXPERTS, batch=64)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    backend_choice.add_devices_argument(parser)
-    parser.add_argument(
-        "--mesh",
-        default=None,
-        help="sizes of dp,fsdp,ep,tp,sp (default 1,2,4,1,1 on cpu, 1,1,-1,1,1 on accelerators)",
-    )
-    parser.add_argument("--strategy", choices=moe.STRATEGIES, default="capacity")
-    parser.add_argument(
-        "--exchange", choices=("all_to_all", "ragged_all_to_all"), default="all_to_all"
-    )
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=16)
-    args = parser.parse_args(argv)
+    args, config = moe_config.command_line(__doc__.splitlines()[0], argv)
     devices = backend_choice.select_devices(args.devices)  # before any backend starts
     print(backend_choice.describe(devices))
     with jax.default_device(devices[0]):
-        return _train(args, devices)
-
-
-def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
-    config = Config(
-        strategy=args.strategy, exchange=args.exchange, capacity_factor=args.capacity_factor
-    )
-    mesh_text = args.mesh or ("1,2,4,1,1" if args.devices == "cpu" else "1,1,-1,1,1")
-    mesh = fe.parse_mesh_from_string(mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
-    print(fe.plan_sharding(MoeDecoder, mesh, 0, config, rules=RULES).describe())
-    model = fe.init_sharded(MoeDecoder, mesh, 0, config, rules=RULES)
-    optimizer = fen.init_optimizer(model, optax.adamw(3e-3))
-
-    losses = []
-    data = toy_data.batches(config.vocab, args.batch, config.max_len)
-    assignments = args.batch * config.max_len * config.top_k * config.layers
-    with fe.use_sharding(mesh, RULES):
-        for step in range(args.steps):
-            tokens = fe.constrain(next(data), ("batch", "sequence"))
-            start = time.perf_counter()
-            loss, dropped = train_step(model, optimizer, tokens)
-            losses.append(float(loss))
-            if step % 5 == 0 or step == args.steps - 1:
-                ms = (time.perf_counter() - start) * 1e3
-                print(
-                    f"step {step:3d}  loss {losses[-1]:.4f}  dropped {int(dropped)} of "
-                    f"{assignments}  ({ms:.0f} ms)"
-                )
-    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
-    return losses
+        mesh = moe_config.mesh_of(args, devices)
+        print(fe.plan_sharding(MoeDecoder, mesh, 0, config, rules=RULES).describe())
+        model = fe.init_sharded(MoeDecoder, mesh, 0, config, rules=RULES)
+        optimizer = fen.init_optimizer(model, optax.adamw(3e-3))
+        return moe_config.train(
+            lambda state, tokens: (state, train_step(*state, tokens)),
+            (model, optimizer),
+            config,
+            args,
+            mesh,
+        )
 
 
 if __name__ == "__main__":
