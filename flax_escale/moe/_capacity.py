@@ -18,6 +18,7 @@ __all__ = ["capacity_dispatch", "expert_capacity"]
 
 # The dispatched tokens: experts over ep, and the groups (sequences) over the batch's other axes.
 _DISPATCHED = ("expert", "expert_batch", None, "hidden_state")
+_RETURNED = (None, "batch", None, "hidden_state")
 
 
 def expert_capacity(group_size: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -46,7 +47,8 @@ def capacity_dispatch(
     Each sequence is a group; each expert takes :func:`expert_capacity` of its tokens, first
     choices before second choices and earlier tokens first (GShard's priority). The dispatched
     ``(expert, group, slot, hidden)`` array is constrained to ``_DISPATCHED``, so XLA moves the
-    tokens from the batch's layout to the experts' with an all-to-all over ``ep``.
+    tokens from the batch's layout to the experts' with an all-to-all over ``ep``, and the
+    experts' outputs to ``_RETURNED``, the batch's layout, before they are combined.
 
     Returns:
         The combined ``(batch, sequence, hidden)`` output and how many token assignments
@@ -74,7 +76,9 @@ def capacity_dispatch(
     dispatched = jnp.einsum("gsec,gsh->egch", dispatch.astype(x.dtype), x)
     dispatched = constrain(dispatched, _DISPATCHED, mesh=mesh, rules=rules)
     out = experts.dense(dispatched, activation, mesh=mesh, rules=rules)
-    out = constrain(out, _DISPATCHED, mesh=mesh, rules=rules)
+    # Back to the tokens' layout before combining: the groups over the batch's axes again
+    # (the all-to-all back over ep), each device with every expert's slots of its groups.
+    out = constrain(out, _RETURNED, mesh=mesh, rules=rules)
     combined = jnp.einsum("egch,gsec->gsh", out, weighted.astype(out.dtype))
     dropped = top_k * groups * group_size - seated.sum()
     return combined, dropped

@@ -144,6 +144,12 @@ def _check(
         raise EscaleError(f"moe_mlp: exchange must be one of {_EXCHANGES}, got {exchange!r}.")
     check.positive_number(capacity_factor, "moe_mlp: capacity_factor")
     check.instance(experts, GatedExperts, "experts", "GatedExperts(wi_gate, wi_up, wo)")
+    if jnp.ndim(x) != 3 or jnp.ndim(experts.wi_gate) != 3:
+        raise EscaleError(
+            f"moe_mlp: x must be (batch, sequence, hidden) and experts.wi_gate (experts, "
+            f"hidden, mlp), got shapes {tuple(jnp.shape(x))} and "
+            f"{tuple(jnp.shape(experts.wi_gate))}."
+        )
     hidden = jnp.shape(x)[-1]
     num_experts, expert_hidden, mlp = jnp.shape(experts.wi_gate)
     shapes = {

@@ -377,11 +377,11 @@ class _Walk:
         kind: str,
         op: Instruction,
         grouped: Instruction,
-        computation: Computation,
+        computation: Computation | None = None,
     ) -> None:
         # ``op`` gives the result, ``grouped`` the replica groups and operands.
         size = array_bytes(op.shape)
-        if kind == "ragged-all-to-all" and grouped.operands:
+        if kind == "ragged-all-to-all" and computation is not None and grouped.operands:
             # Its buffers are sized for the worst case (every row to one device, or back from
             # every device); balanced routing moves the smaller of what it sends and receives.
             source = computation.by_name.get(grouped.operands[0])

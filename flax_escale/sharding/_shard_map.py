@@ -10,6 +10,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._specs import without_unit_explicit_axes
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
@@ -92,14 +93,20 @@ def logical_shard_map(
 
         def spec(where: str, axes: Any, shape: Sequence[int] | None) -> PartitionSpec:
             if isinstance(axes, PartitionSpec):
-                return check.spec_on(on, axes, f"logical_shard_map: {where}")
-            if not _is_axes(axes):
+                given = check.spec_on(on, axes, f"logical_shard_map: {where}")
+            elif axes is None or (
+                isinstance(axes, tuple) and all(n is None or isinstance(n, str) for n in axes)
+            ):
+                resolution = resolve_logical_axes(axes, frozen, shape=shape, mesh=on, strict=strict)
+                given = enforce(resolution, strict=strict, path=where, stacklevel=4).spec
+            else:
                 raise EscaleTypeError(
                     f"logical_shard_map: {where} is {check.describe(axes)}; each array takes a "
                     "tuple of logical names (or None), e.g. ('batch', 'hidden_state')."
                 )
-            resolution = resolve_logical_axes(axes, frozen, shape=shape, mesh=on, strict=strict)
-            return enforce(resolution, strict=strict, path=where, stacklevel=4).spec
+            # As apply_spec places it: JAX types an array on Explicit axes without their
+            # size-1 axes, and jax.shard_map wants the spec to match that type exactly.
+            return without_unit_explicit_axes(given, on)
 
         in_specs = tuple(
             _per_array(f"in_axes[{i}]", axes, arg, lambda w, a, x: spec(w, a, jax.numpy.shape(x)))
@@ -116,10 +123,15 @@ def logical_shard_map(
 
 
 def _is_axes(node: Any) -> bool:
+    """Whether ``node`` is one array's entry: a tuple of names, None or a ``PartitionSpec``.
+
+    A tuple holding no containers counts as one, so that a wrong name in it (``("batch", 3)``)
+    is reported as such rather than as a tree of the wrong structure.
+    """
     return (
         node is None
         or isinstance(node, PartitionSpec)
-        or (isinstance(node, tuple) and all(n is None or isinstance(n, str) for n in node))
+        or (isinstance(node, tuple) and not any(isinstance(n, tuple | list | dict) for n in node))
     )
 
 

@@ -2,6 +2,7 @@
 standard rules pointed at the library's mesh axes."""
 
 import itertools
+import math
 
 import flax.linen as nn
 import jax
@@ -187,3 +188,89 @@ def test_standard_rules_refuse_a_bad_mesh_axis():
         fe.EscaleTypeError, match=r"model_axis must be None, a mesh axis name.*int 3"
     ):
         standard_logical_axis_rules(model_axis=3)
+
+
+# MaxText's mixture-of-experts names, on a Mixtral-shaped model (scaled down: 8 experts).
+
+MIXTRAL_EXPERTS = {
+    "wi_0": (("exp", "embed_moe", "mlp_moe"), (8, 1024, 3584)),
+    "wi_1": (("exp", "embed_moe", "mlp_moe"), (8, 1024, 3584)),
+    "wo": (("exp", "mlp_moe", "embed_moe"), (8, 3584, 1024)),
+}
+MIXTRAL_DENSE = {
+    "query": (("embed", "q_heads", "kv"), (1024, 32, 128)),
+    "key": (("embed", "kv_heads", "kv_head_dim"), (1024, 8, 128)),
+    "out": (("heads", "kv", "embed"), (32, 128, 1024)),
+    "embedding": (("vocab", "embed"), (32000, 1024)),
+    "logits_dense": (("embed", "vocab"), (1024, 32000)),
+}
+MIXTRAL_GATE = (("embed", None), (1024, 8))
+
+
+def _split(mesh, spec):
+    """Into how many pieces a spec splits an array on ``mesh``."""
+    axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    assert len(axes) == len(set(axes)), spec
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+@pytest.mark.parametrize("name", [*MIXTRAL_EXPERTS, *MIXTRAL_DENSE, "gate"])
+def test_maxtext_mixtral_kernels_split_over_every_device(name):
+    mesh = fe.create_mesh((1, 4, 2, 1, 1))  # fsdp=4, ep=2
+    rules = fe.PartitionAxis(ep_as_fsdp=True).with_aliases("maxtext")
+    axes, shape = {**MIXTRAL_EXPERTS, **MIXTRAL_DENSE, "gate": MIXTRAL_GATE}[name]
+    r = fe.resolve_logical_axes(axes, rules, shape=shape, mesh=mesh, strict=True)
+    assert r.ok
+    assert not r.unknown_names
+    # Sharded 8 ways: no device holds more than 1/8 of any of these kernels.
+    assert _split(mesh, r.spec) == 8, r.spec
+    if name in MIXTRAL_EXPERTS:
+        # The experts over ep, their hidden dimension over fsdp.
+        assert r.spec[0] == "ep"
+        assert "fsdp" in r.spec[list(axes).index("embed_moe")]
+    else:
+        # The rest over ep too, with fsdp: that is what ep_as_fsdp is for.
+        assert set(r.spec[list(axes).index("embed")]) == {"fsdp", "sp", "ep"}
+
+
+def test_without_ep_as_fsdp_the_dense_kernels_repeat_over_ep():
+    mesh = fe.create_mesh((1, 4, 2, 1, 1))
+    rules = fe.PartitionAxis().with_aliases("maxtext")
+    for axes, shape in MIXTRAL_DENSE.values():
+        spec = fe.resolve_logical_axes(axes, rules, shape=shape, mesh=mesh, strict=True).spec
+        assert _split(mesh, spec) == 4, (axes, spec)
+    for axes, shape in MIXTRAL_EXPERTS.values():
+        spec = fe.resolve_logical_axes(axes, rules, shape=shape, mesh=mesh, strict=True).spec
+        assert _split(mesh, spec) == 8, (axes, spec)
+
+
+@pytest.mark.parametrize("ep_as_fsdp", [False, True])
+def test_maxtext_moe_activations_resolve_like_the_library_names(ep_as_fsdp):
+    mesh = fe.create_mesh((1, 4, 2, 1, 1))
+    rules = fe.PartitionAxis(ep_as_fsdp=ep_as_fsdp).with_aliases("maxtext", "t5x")
+    pairs = [
+        # activation_batch_no_exp and t5x's expert_group are expert_batch: no ep.
+        (("activation_batch_no_exp", None), ("expert_batch", None)),
+        (("expert_group", None), ("expert_batch", None)),
+        (
+            ("activation_exp", "activation_batch_no_exp", None, "activation_embed"),
+            ("expert", "expert_batch", None, "hidden_state"),
+        ),
+        (
+            ("activation_batch_moe", "activation_length_moe", "activation_embed_moe"),
+            ("batch", "sequence", "hidden_state"),
+        ),
+        (("exp", "embed_moe", "mlp_moe"), ("expert", "hidden_state", "mlp_intermediate")),
+    ]
+    shape = (8, 16, 40, 64)
+    for foreign, native in pairs:
+        dims = shape[: len(foreign)]
+        got = fe.resolve_logical_axes(foreign, rules, shape=dims, mesh=mesh)
+        want = fe.resolve_logical_axes(native, rules, shape=dims, mesh=mesh)
+        assert got.spec == want.spec, (foreign, got.spec, want.spec)
+    no_exp = fe.resolve_logical_axes(("activation_batch_no_exp",), rules, shape=(8,), mesh=mesh)
+    assert no_exp.spec == P(("fsdp", "dp"))  # never ep
+    batch = fe.resolve_logical_axes(("activation_batch",), rules, shape=(8,), mesh=mesh)
+    assert batch.spec == (P(("fsdp", "dp", "ep")) if ep_as_fsdp else P(("fsdp", "dp")))
+    # Without a mesh: the names' mesh axes as the rules give them.
+    assert fe.logical_to_mesh_axes(("activation_batch_no_exp",), rules) == P(("fsdp", "dp"))

@@ -7,7 +7,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_escale import EscaleError, PartitionAxis, create_mesh, logical_to_mesh_axes
+from flax_escale import (
+    EscaleError,
+    EscaleTypeError,
+    PartitionAxis,
+    create_mesh,
+    logical_to_mesh_axes,
+)
 
 SEED_DEFAULTS = {
     "data_parallel_axis": "dp",
@@ -26,6 +32,7 @@ SEED_DEFAULTS = {
     "vocab_axis": "tp",
     "expert_axis": "ep",
     "expert_gate_axis": None,
+    "expert_batch_axis": ("fsdp", "dp"),
     "attention_dim_axis": None,
     "attention_kv_dim_axis": None,
     "bias_head_sequence_axis": None,
@@ -38,6 +45,7 @@ SEED_DEFAULTS = {
     "generation_key_sequence_axis": "sp",
     "generation_attention_dim_axis": None,
     "generation_attention_kv_dim_axis": None,
+    "ep_as_fsdp": False,
 }
 
 # DESIGN.md decision 2: one annotation, FSDP+TP parameters and eformer's activation layout.
@@ -232,3 +240,117 @@ def test_fallback_skipped_when_first_choice_is_the_fallback():
     assert ("hidden_state", ("fsdp", "sp")) in rules
     unsharded = PartitionAxis(vocab_axis=None).logical_axis_rules()
     assert ("vocab", ("fsdp", "sp")) not in unsharded
+
+
+# Mixture of experts: expert_batch, and ep_as_fsdp.
+
+MOE_TABLE = [
+    # (logical axes, default spec, spec with ep_as_fsdp=True)
+    (
+        ("batch", "sequence", "hidden_state"),
+        P(("fsdp", "dp"), "sp", "tp"),
+        P(("fsdp", "dp", "ep"), "sp", "tp"),
+    ),
+    (("hidden_state", "mlp_intermediate"), P(("fsdp", "sp"), "tp"), P(("fsdp", "sp", "ep"), "tp")),
+    (("mlp_intermediate", "hidden_state"), P("tp", ("fsdp", "sp")), P("tp", ("fsdp", "sp", "ep"))),
+    (("vocab", "hidden_state"), P("tp", ("fsdp", "sp")), P("tp", ("fsdp", "sp", "ep"))),
+    (
+        ("hidden_state", "head", "attention_dim"),
+        P(("fsdp", "sp"), "tp", None),
+        P(("fsdp", "sp", "ep"), "tp", None),
+    ),
+    # The experts' kernels already use ep: their fallback stays (fsdp, sp).
+    (
+        ("expert", "hidden_state", "mlp_intermediate"),
+        P("ep", ("fsdp", "sp"), "tp"),
+        P("ep", ("fsdp", "sp"), "tp"),
+    ),
+    (
+        ("expert", "mlp_intermediate", "hidden_state"),
+        P("ep", "tp", ("fsdp", "sp")),
+        P("ep", "tp", ("fsdp", "sp")),
+    ),
+    # Dispatched tokens: the experts over ep, their groups over the batch's axes without ep.
+    (
+        ("expert", "expert_batch", None, "hidden_state"),
+        P("ep", ("fsdp", "dp"), None, "tp"),
+        P("ep", ("fsdp", "dp"), None, "tp"),
+    ),
+    (("expert_batch", "sequence"), P(("fsdp", "dp"), "sp"), P(("fsdp", "dp"), "sp")),
+]
+
+
+def test_expert_batch_is_the_batch_without_ep():
+    assert PartitionAxis().expert_batch_axis == ("fsdp", "dp")
+    assert PartitionAxis(ep_as_fsdp=True).expert_batch_axis == ("fsdp", "dp")
+    assert PartitionAxis(ep_as_fsdp=True).batch_axis == ("fsdp", "dp", "ep")
+    renamed = PartitionAxis(
+        data_parallel_axis="data", expert_parallel_axis="experts", ep_as_fsdp=True
+    )
+    assert renamed.expert_batch_axis == ("fsdp", "data")
+    assert renamed.batch_axis == ("fsdp", "data", "experts")
+    assert PartitionAxis(expert_batch_axis="dp").expert_batch_axis == "dp"
+    assert PartitionAxis().logical_axes()["expert_batch"] == ("fsdp", "dp")
+
+
+@pytest.mark.parametrize(("axes", "default", "moe"), MOE_TABLE)
+def test_ep_as_fsdp_specs_through_plain_flax(axes, default, moe):
+    assert nn.logical_to_mesh_axes(axes, PartitionAxis().logical_axis_rules()) == default
+    rules = PartitionAxis(ep_as_fsdp=True).logical_axis_rules()
+    assert nn.logical_to_mesh_axes(axes, rules) == moe
+    with nn.logical_axis_rules(rules):
+        assert nn.logical_to_mesh_axes(axes) == moe
+
+
+@pytest.mark.parametrize(("axes", "default", "moe"), MOE_TABLE)
+def test_ep_as_fsdp_specs_on_an_expert_mesh(axes, default, moe):
+    mesh = create_mesh((1, 2, 2, 2, 1))  # fsdp=2, ep=2, tp=2: every axis splits
+    shape = tuple(64 for _ in axes)
+    for rules, spec in ((PartitionAxis(), default), (PartitionAxis(ep_as_fsdp=True), moe)):
+        got = logical_to_mesh_axes(axes, rules, shape=shape, mesh=mesh, strict=True)
+        assert NamedSharding(mesh, got).is_equivalent_to(NamedSharding(mesh, spec), len(axes))
+
+
+def test_ep_as_fsdp_adds_a_first_fallback_tier_with_ep():
+    rules = PartitionAxis(ep_as_fsdp=True).logical_axis_rules()
+    wide = ["hidden_state", "vocab", "head", "kv_head", "mlp_intermediate", "expert"]
+    with_ep = [name for name, target in rules if target == ("fsdp", "sp", "ep")]
+    without = [name for name, target in rules if target == ("fsdp", "sp")]
+    assert with_ep == wide
+    assert without == wide
+    # Every (fsdp, sp, ep) fallback comes before every (fsdp, sp) one.
+    targets = [target for _, target in rules]
+    assert max(i for i, t in enumerate(targets) if t == ("fsdp", "sp", "ep")) < min(
+        i for i, t in enumerate(targets) if t == ("fsdp", "sp")
+    )
+    # Off by default: no rule names ep outside the expert axis itself.
+    default = PartitionAxis().logical_axis_rules()
+    assert [name for name, target in default if target and "ep" in target] == ["expert"]
+
+
+def test_replace_keeps_ep_as_fsdp():
+    moe = PartitionAxis(ep_as_fsdp=True)
+    renamed = moe.replace(tensor_parallel_axis="model")
+    assert renamed.ep_as_fsdp is True
+    assert renamed.batch_axis == ("fsdp", "dp", "ep")
+    assert renamed.hidden_state_axis == "model"
+    assert moe.replace(expert_parallel_axis="experts").batch_axis == ("fsdp", "dp", "experts")
+    # Turned off again, the batch is derived anew; a batch given explicitly stays.
+    assert moe.replace(ep_as_fsdp=False).batch_axis == ("fsdp", "dp")
+    given = PartitionAxis(ep_as_fsdp=True, batch_axis="dp")
+    assert given.batch_axis == "dp"
+    assert given.replace(tensor_parallel_axis="model").batch_axis == "dp"
+    assert moe.with_aliases("maxtext").ep_as_fsdp is True
+    assert moe != PartitionAxis()
+    assert hash(moe) == hash(PartitionAxis(ep_as_fsdp=True))
+    assert "ep_as_fsdp" not in moe.logical_axes()
+
+
+@pytest.mark.parametrize(("value", "shown"), [(1, "1"), ("yes", "'yes'"), (None, "None")])
+def test_ep_as_fsdp_must_be_a_bool(value, shown):
+    with pytest.raises(
+        EscaleTypeError, match=rf"PartitionAxis\.ep_as_fsdp must be True or False, got {shown}\."
+    ):
+        PartitionAxis(ep_as_fsdp=value)
+    with pytest.raises(EscaleTypeError, match=r"PartitionAxis\.ep_as_fsdp must be True or False"):
+        PartitionAxis().replace(ep_as_fsdp=value)
