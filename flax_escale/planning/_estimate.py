@@ -157,7 +157,8 @@ def explain(
             c[2] for k, c in collectives.items() if k.endswith("all-to-all") and k != kind
         )
         if exchanged:
-            parts.append(f"all-to-all {exchanged / wire:.0%}")
+            share = exchanged / wire
+            parts.append(f"all-to-all {share:.0%}" if share >= 0.005 else "all-to-all <1%")
     if tokens_per_device is not None:
         threshold = profile.flops_per_second / profile.interconnect_bytes_per_second
         side = "above" if tokens_per_device >= threshold else "below"

@@ -125,13 +125,16 @@ def logical_shard_map(
 def _is_axes(node: Any) -> bool:
     """Whether ``node`` is one array's entry: a tuple of names, None or a ``PartitionSpec``.
 
-    A tuple holding no containers counts as one, so that a wrong name in it (``("batch", 3)``)
-    is reported as such rather than as a tree of the wrong structure.
+    A plain tuple holding no containers counts as one, so that a wrong name in it
+    (``("batch", 3)``) is reported as such rather than as a tree of the wrong structure.
     """
     return (
         node is None
         or isinstance(node, PartitionSpec)
-        or (isinstance(node, tuple) and not any(isinstance(n, tuple | list | dict) for n in node))
+        or (
+            type(node) is tuple  # a NamedTuple is a structure of arrays, as for JAX
+            and not any(isinstance(n, tuple | list | dict | PartitionSpec) for n in node)
+        )
     )
 
 
