@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.moe._experts import EXPERT_AXES, GatedExperts
@@ -26,6 +27,15 @@ every backend, or ``jax.lax.ragged_all_to_all``, which sends only the rows it ha
 and GPU backends run it; XLA:CPU compiles it but cannot run it)."""
 
 _TOKENS = ("batch", "sequence", None)
+
+
+class _Setup(NamedTuple):
+    """How a body computes: the gate's activation, the exchange, and the mesh axes it uses."""
+
+    activation: Callable[[jax.Array], jax.Array]
+    exchange: Exchange
+    expert_axes: tuple[str, ...]  # the expert dimension's: the exchange crosses them
+    sum_axes: tuple[str, ...]  # the intermediate dimension's, that the tokens leave free
 
 
 def dropless_dispatch(
@@ -52,7 +62,7 @@ def dropless_dispatch(
         try:
             mesh = current_mesh()
         except NoMeshError:
-            return _local(x, routing, experts, activation, exchange, (), ())
+            return _local(x, routing, experts, _Setup(activation, exchange, (), ()))
     frozen = as_logical_rules(rules)
     token_spec = resolve_logical_axes(_TOKENS, frozen, shape=x.shape, mesh=mesh).spec
     token_axes = _axes_of(token_spec, [0, 1])
@@ -89,14 +99,8 @@ def dropless_dispatch(
             )
         sequence = token_spec[1] if len(token_spec) > 1 else None
         out_axes = PartitionSpec((*batch_axes, *expert_axes), sequence, None)
-    body = functools.partial(
-        _body,
-        activation=activation,
-        exchange=exchange,
-        expert_axes=expert_axes,
-        sum_axes=sum_axes,
-        split_tokens=split_tokens,
-    )
+    setup = _Setup(activation, exchange, expert_axes, sum_axes)
+    body = functools.partial(_body, setup=setup, split_tokens=split_tokens)
     mapped = logical_shard_map(
         body,
         in_axes=[_TOKENS, _TOKENS, _TOKENS, GatedExperts(kernel, kernel, _transposed(kernel))],
@@ -111,9 +115,8 @@ def _transposed(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(spec[0], spec[2], spec[1])
 
 
-def _axes_of(spec: PartitionSpec, dims: range | list[int]) -> tuple[str, ...]:
-    entries = [spec[d] if d < len(spec) else None for d in dims]
-    return tuple(a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e))
+def _axes_of(spec: PartitionSpec, dims: list[int]) -> tuple[str, ...]:
+    return tuple(a for d in dims if d < len(spec) for a in mesh_axes_of(spec[d]))
 
 
 def _body(
@@ -122,49 +125,21 @@ def _body(
     weights: jax.Array,
     experts: GatedExperts,
     *,
-    activation: Callable[[jax.Array], jax.Array],
-    exchange: Exchange,
-    expert_axes: tuple[str, ...],
-    sum_axes: tuple[str, ...],
+    setup: _Setup,
     split_tokens: bool,
 ) -> jax.Array:
-    if not split_tokens:
-        return _local(
-            x,
-            Routing(experts_of, weights, None),
-            experts,
-            activation,
-            exchange,
-            expert_axes,
-            sum_axes,
+    if split_tokens:
+        # The tokens are the same on every device of an expert group: each takes its share.
+        size = jax.lax.axis_size(setup.expert_axes)
+        index = jax.lax.axis_index(setup.expert_axes)
+        x, experts_of, weights = (
+            jax.lax.dynamic_slice_in_dim(a, index * (a.shape[0] // size), a.shape[0] // size)
+            for a in (x, experts_of, weights)
         )
-    # The tokens are the same on every device of an expert group: each takes its share.
-    size = jax.lax.axis_size(expert_axes)
-    index = jax.lax.axis_index(expert_axes)
-    share = [
-        jax.lax.dynamic_slice_in_dim(a, index * (a.shape[0] // size), a.shape[0] // size)
-        for a in (x, experts_of, weights)
-    ]
-    return _local(
-        share[0],
-        Routing(share[1], share[2], None),
-        experts,
-        activation,
-        exchange,
-        expert_axes,
-        sum_axes,
-    )
+    return _local(x, Routing(experts_of, weights, None), experts, setup)
 
 
-def _local(
-    x: jax.Array,
-    routing: Routing,
-    experts: GatedExperts,
-    activation: Callable[[jax.Array], jax.Array],
-    exchange: Exchange,
-    expert_axes: tuple[str, ...],
-    sum_axes: tuple[str, ...],
-) -> jax.Array:
+def _local(x: jax.Array, routing: Routing, experts: GatedExperts, setup: _Setup) -> jax.Array:
     """One device's tokens through the experts of its group, with every row kept."""
     *lead, hidden = x.shape
     top_k = routing.experts.shape[-1]
@@ -173,15 +148,13 @@ def _local(
     flat = routing.experts.reshape(rows)
     order = jnp.argsort(flat, stable=True)
     sent = x.reshape(tokens, hidden)[order // top_k]
-    num_experts = experts.num_experts * (jax.lax.axis_size(expert_axes) if expert_axes else 1)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    if expert_axes:
-        out = _exchanged(
-            sent, flat[order], counts, experts, activation, exchange, expert_axes, sum_axes
-        )
+    groups = jax.lax.axis_size(setup.expert_axes) if setup.expert_axes else 1
+    counts = jnp.bincount(flat, length=experts.num_experts * groups).astype(jnp.int32)
+    if setup.expert_axes:
+        out = _exchanged(sent, flat[order], counts, experts, setup)
     else:
-        out = experts.grouped(sent, counts, activation)
-        out = jax.lax.psum(out, sum_axes) if sum_axes else out
+        out = experts.grouped(sent, counts, setup.activation)
+        out = jax.lax.psum(out, setup.sum_axes) if setup.sum_axes else out
     per_row = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     per_row = per_row.reshape(tokens, top_k, hidden)
     mixed = jnp.einsum(
@@ -195,12 +168,10 @@ def _exchanged(
     sent_experts: jax.Array,
     counts: jax.Array,
     experts: GatedExperts,
-    activation: Callable[[jax.Array], jax.Array],
-    exchange: Exchange,
-    expert_axes: tuple[str, ...],
-    sum_axes: tuple[str, ...],
+    setup: _Setup,
 ) -> jax.Array:
     """``sent`` (rows sorted by expert) through the experts, wherever they are, and back."""
+    activation, exchange, expert_axes, sum_axes = setup
     rows, hidden = sent.shape
     peers = jax.lax.axis_size(expert_axes)
     local = experts.num_experts
