@@ -7,11 +7,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, Mesh
 
-from flax_escale.errors import NoMeshError
-from flax_escale.mesh import current_mesh
-from flax_escale.moe._experts import GatedExperts
+from flax_escale.moe._experts import DISPATCHED_AXES, GatedExperts, explicit_mesh
 from flax_escale.moe._routing import Routing
 from flax_escale.resolve import RulesLike
 from flax_escale.sharding import constrain
@@ -19,7 +17,6 @@ from flax_escale.sharding import constrain
 __all__ = ["capacity_dispatch", "expert_capacity"]
 
 # The dispatched tokens: experts over ep, and the groups (sequences) over the batch's other axes.
-_DISPATCHED = ("expert", "expert_batch", None, "hidden_state")
 _RETURNED = (None, "batch", None, "hidden_state")
 
 
@@ -48,7 +45,7 @@ def capacity_dispatch(
 
     Each sequence is a group; each expert takes :func:`expert_capacity` of its tokens, first
     choices before second choices and earlier tokens first (GShard's priority). The dispatched
-    ``(expert, group, slot, hidden)`` array is constrained to ``_DISPATCHED``, so XLA moves the
+    ``(expert, group, slot, hidden)`` array is constrained to ``DISPATCHED_AXES``, so XLA moves the
     tokens from the batch's layout to the experts' with an all-to-all over ``ep`` (and back).
 
     Returns:
@@ -75,25 +72,16 @@ def capacity_dispatch(
         routing.weights,
     )
     dispatched = jnp.einsum("gsec,gsh->egch", dispatch.astype(x.dtype), x)
-    dispatched = constrain(dispatched, _DISPATCHED, mesh=mesh, rules=rules)
+    dispatched = constrain(dispatched, DISPATCHED_AXES, mesh=mesh, rules=rules)
     out = experts.dense(dispatched, activation, mesh=mesh, rules=rules)
-    if _has_explicit_axes(mesh):
+    if explicit_mesh(mesh) is not None:
         # On Explicit axes the combine's operands must agree on the groups' sharding: the
         # experts' outputs go back to the tokens' layout first (the all-to-all back over ep).
         # On Auto axes XLA chooses that move itself (and constraining it there measured worse:
         # reshardings on fsdp2 x ep4, fsdp2 x ep2 x tp2).
         out = constrain(out, _RETURNED, mesh=mesh, rules=rules)
     else:
-        out = constrain(out, _DISPATCHED, mesh=mesh, rules=rules)
+        out = constrain(out, DISPATCHED_AXES, mesh=mesh, rules=rules)
     combined = jnp.einsum("egch,gsec->gsh", out, weighted.astype(out.dtype))
     dropped = top_k * groups * group_size - seated.sum()
     return combined, dropped
-
-
-def _has_explicit_axes(mesh: Mesh | AbstractMesh | None) -> bool:
-    if mesh is None:
-        try:
-            mesh = current_mesh()
-        except NoMeshError:
-            return False
-    return AxisType.Explicit in mesh.axis_types

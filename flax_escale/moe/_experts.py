@@ -7,12 +7,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from flax_escale.resolve import RulesLike
+from flax_escale._specs import without_unit_explicit_axes
+from flax_escale.errors import NoMeshError
+from flax_escale.mesh import current_mesh
+from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
 from flax_escale.sharding import constrain
 
-__all__ = ["EXPERT_AXES", "GatedExperts"]
+__all__ = ["DISPATCHED_AXES", "EXPERT_AXES", "GatedExperts", "explicit_mesh"]
+
+DISPATCHED_AXES = ("expert", "expert_batch", None, "hidden_state")
+"""The logical axes of tokens seated in the experts' slots: ``(expert, group, slot, hidden)``."""
 
 EXPERT_AXES = {
     "wi_gate": ("expert", "hidden_state", "mlp_intermediate"),
@@ -52,15 +58,26 @@ class GatedExperts(NamedTuple):
         rules: RulesLike = None,
     ) -> jax.Array:
         """Each expert on its own slots: ``x`` is ``(expert, group, slot, hidden)``."""
-        gate = jnp.einsum("egch,ehf->egcf", x, self.wi_gate)
-        up = jnp.einsum("egch,ehf->egcf", x, self.wi_up)
-        hidden = constrain(
-            activation(gate) * up,
-            ("expert", "expert_batch", None, "mlp_intermediate"),
-            mesh=mesh,
-            rules=rules,
-        )
-        return jnp.einsum("egcf,efh->egch", hidden, self.wo)
+        explicit = explicit_mesh(mesh)
+
+        def einsum(subscripts: str, a: jax.Array, kernel: jax.Array, axes: tuple) -> jax.Array:
+            if explicit is None:
+                return jnp.einsum(subscripts, a, kernel)
+            # On Explicit axes JAX asks for the output's layout whenever the operands split
+            # the contracted dimension differently (activations' hidden on tp, kernels' on
+            # fsdp): it is the one the next constraint asks for anyway.
+            shape = (*a.shape[:3], kernel.shape[2])
+            resolution = resolve_logical_axes(
+                axes, as_logical_rules(rules), shape=shape, mesh=explicit
+            )
+            spec = without_unit_explicit_axes(enforce(resolution, strict=False).spec, explicit)
+            return jnp.einsum(subscripts, a, kernel, out_sharding=spec)
+
+        hidden_axes = ("expert", "expert_batch", None, "mlp_intermediate")
+        gate = einsum("egch,ehf->egcf", x, self.wi_gate, hidden_axes)
+        up = einsum("egch,ehf->egcf", x, self.wi_up, hidden_axes)
+        hidden = constrain(activation(gate) * up, hidden_axes, mesh=mesh, rules=rules)
+        return einsum("egcf,efh->egch", hidden, self.wo, DISPATCHED_AXES)
 
     def grouped(
         self,
@@ -76,3 +93,13 @@ class GatedExperts(NamedTuple):
         gate = jax.lax.ragged_dot(rows, self.wi_gate, group_sizes)
         up = jax.lax.ragged_dot(rows, self.wi_up, group_sizes)
         return jax.lax.ragged_dot(activation(gate) * up, self.wo, group_sizes)
+
+
+def explicit_mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
+    """``mesh`` (else the current one) when it has Explicit axes; ``None`` otherwise."""
+    if mesh is None:
+        try:
+            mesh = current_mesh()
+        except NoMeshError:
+            return None
+    return mesh if AxisType.Explicit in mesh.axis_types else None
