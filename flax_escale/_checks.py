@@ -34,7 +34,6 @@ __all__ = [
     "array",
     "callable_",
     "describe",
-    "device",
     "devices",
     "devices_of",
     "flag",
@@ -507,19 +506,6 @@ def array(value: Any, argument: str) -> jax.Array:
 def _is_device(value: Any) -> bool:
     # Duck-typed, so that tests and planners can pass stand-ins with the same attributes.
     return hasattr(value, "id") and hasattr(value, "process_index") and hasattr(value, "platform")
-
-
-def device(value: Any, argument: str) -> Any:
-    """A JAX device (or an object with a device's ``id``, ``process_index`` and ``platform``).
-
-    Raises:
-        EscaleTypeError: For anything else.
-    """
-    if _is_device(value):
-        return value
-    raise EscaleTypeError(
-        f"{argument} must be a JAX device, got {describe(value)}; pass e.g. jax.devices()[-1]."
-    )
 
 
 def devices(value: Any, argument: str = "devices") -> tuple[Any, ...]:

@@ -9,22 +9,24 @@ builders cut ``('data', 'model')`` meshes from it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from flax_escale import _checks as check
-from flax_escale.errors import MeshError
+from flax_escale.errors import EscaleTypeError, MeshError
 
 __all__ = [
     "DATA_MODEL",
     "HOST_AXES",
+    "JAX_MESH_ATTRIBUTES",
     "TPU_AXES",
     "HardwareMesh",
     "auto_mesh",
     "bounds_from_last_device",
+    "checked_devices",
     "device_tuple",
     "divisors",
     "get_coords",
@@ -41,11 +43,30 @@ DATA_MODEL = ("data", "model")
 TPU_AXES = ("x", "y", "z", "core")
 HOST_AXES = ("processes", "local devices")
 
+# The attributes read to place a device in the hardware box: a TPU core's chip position and
+# its index on the chip, or elsewhere its process and id. Like t5x, the functions here read
+# only these (duck typing), so that stand-ins for other machines' devices plan meshes here.
+TPU_ATTRIBUTES = ("coords", "core_on_chip")
+HOST_ATTRIBUTES = ("process_index", "id")
+# Every device of a mesh needs HOST_ATTRIBUTES: JAX's Mesh hashes devices by id, and each
+# process's block of the mesh is found by process_index. JAX's device-mesh utilities (hybrid
+# and GPU meshes) also read the platform and the kind.
+JAX_MESH_ATTRIBUTES = (*HOST_ATTRIBUTES, "platform", "device_kind")
+# Any one of these marks an object as a device, or a stand-in for one.
+DEVICE_ATTRIBUTES = (*TPU_ATTRIBUTES, "platform", *HOST_ATTRIBUTES)
+
 
 def is_tpu_like(device: Any) -> bool:
     """Whether ``device`` carries its chip's ``(x, y, z)`` position, as only TPU devices do."""
     coords = getattr(device, "coords", None)
-    return coords is not None and len(coords) == 3
+    return _flat(coords) and len(coords) == 3
+
+
+def _flat(coords: Any) -> bool:
+    """Whether ``coords`` is a flat sequence (a TPU device gives a list)."""
+    if isinstance(coords, np.ndarray):
+        return coords.ndim == 1
+    return isinstance(coords, Sequence) and not isinstance(coords, (str, bytes))
 
 
 def auto_mesh(grid: np.ndarray, names: tuple[str, ...]) -> Mesh:
@@ -56,33 +77,44 @@ def auto_mesh(grid: np.ndarray, names: tuple[str, ...]) -> Mesh:
 def get_coords(device: Any, *, local_device_count: int | None = None) -> HardwareMesh:
     """Returns a device's position in the hardware box.
 
+    As in t5x, ``device`` may be any object with the attributes read: a JAX device, or a
+    stand-in for one of another machine's.
+
     Args:
-        device: A JAX device, or any object with the same attributes.
-        local_device_count: Devices per process, for non-TPU devices. Defaults to
+        device: An object with ``coords`` and ``core_on_chip`` (a TPU core), or with
+            ``process_index`` and ``id`` (any other device).
+        local_device_count: Devices per process, for devices without ``coords``. Defaults to
             ``jax.local_device_count()``.
 
     Returns:
-        ``(x, y, z, core)`` for a TPU device (one with chip ``coords``); otherwise
-        ``(process_index, id % local_device_count)``.
+        ``(*coords, core_on_chip)`` for a device with chip ``coords``, ``(x, y, z, core)`` on
+        TPU; otherwise ``(process_index, id % local_device_count)``.
 
     Raises:
-        EscaleTypeError: If ``device`` is not a device, or ``local_device_count`` not a
-            positive int.
+        EscaleTypeError: If ``device`` lacks the attributes read (``core_on_chip`` beside
+            ``coords``; ``process_index`` and ``id`` without them) or they are not ints, or
+            ``local_device_count`` is not a positive int.
 
     Example:
         >>> import jax
+        >>> from types import SimpleNamespace
         >>> from flax_escale.t5x import get_coords
         >>> get_coords(jax.devices()[3])
         (0, 3)
+        >>> get_coords(SimpleNamespace(coords=(1, 0, 1), core_on_chip=1, platform="tpu"))
+        (1, 0, 1, 1)
     """
-    check.device(device, "device")
-    if is_tpu_like(device):
-        return (*(int(c) for c in device.coords), int(device.core_on_chip))
+    if getattr(device, "coords", None) is not None:
+        _require(device, "get_coords: device", ("core_on_chip",), "coords but no core_on_chip")
+        return (*_chip_coords(device, "get_coords: device"), _core(device, "get_coords: device"))
+    missing = [name for name in HOST_ATTRIBUTES if not hasattr(device, name)]
+    _require(device, "get_coords: device", HOST_ATTRIBUTES, f"no coords and no {_or(missing)}")
     if local_device_count is None:
         count = jax.local_device_count()
     else:
         count = check.positive_int(local_device_count, "local_device_count")
-    return (int(device.process_index), int(device.id) % count)
+    process, index = (_integer(device, name, "get_coords: device") for name in HOST_ATTRIBUTES)
+    return (process, index % count)
 
 
 def bounds_from_last_device(
@@ -93,6 +125,11 @@ def bounds_from_last_device(
 ) -> HardwareMesh:
     """Returns the size of the hardware box whose far corner is ``last_device``.
 
+    As in t5x, ``last_device`` may be any object with the attributes read: a TPU core is one
+    with ``coords`` of three entries (and ``core_on_chip``); for any other device (a JAX CPU or
+    GPU device, or an object with a device's ``platform``, ``process_index`` or ``id``) the box
+    is the processes by their devices, and nothing else of it is read.
+
     Args:
         last_device: The device with the highest coordinates, such as ``jax.devices()[-1]``.
         process_count: Number of processes, for non-TPU devices. Defaults to
@@ -101,39 +138,125 @@ def bounds_from_last_device(
             ``jax.local_device_count()``.
 
     Returns:
-        ``(x + 1, y + 1, z + 1, core_on_chip + 1)`` for a TPU device; otherwise
+        ``(x + 1, y + 1, z + 1, core_on_chip + 1)`` for a TPU core; otherwise
         ``(process_count, local_device_count)``.
 
     Raises:
-        EscaleTypeError: If ``last_device`` is not a device (``None`` would otherwise read as
-            a box of this host's size), or a count is not a positive int.
+        EscaleTypeError: If ``last_device`` has ``coords`` of three entries but no int
+            ``core_on_chip``, or none of a device's attributes (``None`` or a string would
+            otherwise read as a box of this host's size), or a count is not a positive int.
 
     Example:
         >>> import jax
+        >>> from types import SimpleNamespace
         >>> from flax_escale.t5x import bounds_from_last_device
         >>> bounds_from_last_device(jax.devices()[-1])
         (1, 8)
+        >>> bounds_from_last_device(SimpleNamespace(coords=(3, 3, 0), core_on_chip=1))
+        (4, 4, 1, 2)
     """
-    check.device(last_device, "last_device")
     if process_count is not None:
         check.positive_int(process_count, "process_count")
     if local_device_count is not None:
         check.positive_int(local_device_count, "local_device_count")
+    argument = "bounds_from_last_device: last_device"
     if is_tpu_like(last_device):
-        x, y, z = (int(c) for c in last_device.coords)
-        return (x + 1, y + 1, z + 1, int(last_device.core_on_chip) + 1)
+        _require(last_device, argument, ("core_on_chip",), "coords but no core_on_chip")
+        x, y, z = _chip_coords(last_device, argument)
+        return (x + 1, y + 1, z + 1, _core(last_device, argument) + 1)
+    if not any(hasattr(last_device, name) for name in DEVICE_ATTRIBUTES):
+        _refuse(last_device, argument, f"none of {', '.join(DEVICE_ATTRIBUTES)}")
     return (
         jax.process_count() if process_count is None else process_count,
         jax.local_device_count() if local_device_count is None else local_device_count,
     )
 
 
-def device_tuple(devices: Sequence[Any] | None, backend: str | None = None) -> tuple[Any, ...]:
-    """``devices``, or those of ``backend`` when ``None``; never empty."""
-    found = check.devices_of(backend) if devices is None else check.devices(devices, "devices")
+def checked_devices(
+    value: Any, argument: str, needs: tuple[str, ...] = HOST_ATTRIBUTES
+) -> tuple[Any, ...]:
+    """A tuple of devices (or stand-ins) from a sequence of them, each with ``needs``.
+
+    A TPU core (``coords`` of three entries) also needs its ``core_on_chip``.
+
+    Raises:
+        EscaleTypeError: For a string, a count or another non-sequence, or an entry that lacks
+            one of the attributes.
+    """
+    if isinstance(value, np.ndarray):
+        value = value.ravel().tolist()
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        # check.devices refuses every such value, with the hint for its kind (a platform name,
+        # a device count, ...).
+        return check.devices(value, argument)
+    items = tuple(value)
+    for item in items:
+        needed = (*needs, "core_on_chip") if is_tpu_like(item) else needs
+        missing = [name for name in needed if not hasattr(item, name)]
+        if missing:
+            raise EscaleTypeError(
+                f"{argument} must be a sequence of JAX devices (or objects with a device's "
+                f"{', '.join(needed)}), got an entry {check.describe(item)} without "
+                f"{_or(missing)}; pass e.g. jax.devices()."
+            )
+    return items
+
+
+def device_tuple(
+    devices: Sequence[Any] | None,
+    backend: str | None = None,
+    needs: tuple[str, ...] = HOST_ATTRIBUTES,
+) -> tuple[Any, ...]:
+    """``devices`` (each with ``needs``), or those of ``backend`` when ``None``; never empty."""
+    found = (
+        check.devices_of(backend) if devices is None else checked_devices(devices, "devices", needs)
+    )
     if not found:
         raise MeshError("devices is empty: a mesh needs at least one device.")
     return found
+
+
+def _require(device: Any, argument: str, names: tuple[str, ...], lacking: str) -> None:
+    if not all(hasattr(device, name) for name in names):
+        _refuse(device, argument, lacking)
+
+
+def _refuse(device: Any, argument: str, lacking: str) -> NoReturn:
+    raise EscaleTypeError(
+        f"{argument} must be a JAX device, or an object with a TPU core's coords and "
+        f"core_on_chip or another device's process_index and id; got "
+        f"{check.describe(device)}, which has {lacking}. Pass e.g. jax.devices()[-1]."
+    )
+
+
+def _or(names: Sequence[str]) -> str:
+    return " or ".join(names)
+
+
+def _integer(device: Any, name: str, argument: str) -> int:
+    value = getattr(device, name)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise EscaleTypeError(
+            f"{argument}: its {name} must be an int, got {check.describe(value)}; pass a JAX "
+            "device, or a stand-in whose attributes are a device's."
+        )
+    return int(value)
+
+
+def _core(device: Any, argument: str) -> int:
+    return _integer(device, "core_on_chip", argument)
+
+
+def _chip_coords(device: Any, argument: str) -> tuple[int, ...]:
+    coords = device.coords
+    if not _flat(coords) or not all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in coords
+    ):
+        raise EscaleTypeError(
+            f"{argument}: its coords must be the chip's position as ints, e.g. (1, 0, 1), got "
+            f"{check.describe(coords)}."
+        )
+    return tuple(int(c) for c in coords)
 
 
 def host_grid(devices: tuple[Any, ...]) -> np.ndarray:

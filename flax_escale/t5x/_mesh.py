@@ -20,6 +20,7 @@ from flax_escale.errors import MeshError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.t5x._hardware import (
     DATA_MODEL,
+    JAX_MESH_ATTRIBUTES,
     HardwareMesh,
     auto_mesh,
     device_tuple,
@@ -76,13 +77,15 @@ def get_cpu_mesh(devices: Sequence[Any] | None = None) -> Mesh:
     this mesh for testing on CPU.
 
     Args:
-        devices: The devices, the same number on every process. Defaults to ``jax.devices()``.
+        devices: The devices, the same number on every process: JAX devices, or stand-ins
+            with a device's ``id`` and ``process_index``. Defaults to ``jax.devices()``.
 
     Returns:
         A mesh of shape ``(number of processes, devices per process)``.
 
     Raises:
         MeshError: If ``devices`` is empty or its processes hold different numbers of them.
+        EscaleTypeError: If ``devices`` is not a sequence of devices.
 
     Example:
         >>> from flax_escale.t5x import get_cpu_mesh
@@ -101,12 +104,15 @@ def get_gpu_mesh(num_partitions: int, devices: Sequence[Any] | None = None) -> M
 
     Args:
         num_partitions: The size of the model axis.
-        devices: The devices, the same number on every process. Defaults to ``jax.devices()``.
+        devices: The devices, the same number on every process: JAX devices, or stand-ins
+            with a device's ``id``, ``process_index``, ``platform`` and ``device_kind`` (which
+            JAX's device-mesh utilities read). Defaults to ``jax.devices()``.
 
     Returns:
         A mesh of shape ``(device count // num_partitions, num_partitions)``.
 
     Raises:
+        EscaleTypeError: If ``devices`` is not a sequence of devices.
         MeshError: If ``num_partitions`` is neither a factor nor a multiple of the devices per
             process, or needs a number of processes that does not divide the process count.
 
@@ -115,7 +121,7 @@ def get_gpu_mesh(num_partitions: int, devices: Sequence[Any] | None = None) -> M
         >>> dict(get_gpu_mesh(2).shape)
         {'data': 4, 'model': 2}
     """
-    hosts = host_grid(device_tuple(devices))
+    hosts = host_grid(device_tuple(devices, needs=JAX_MESH_ATTRIBUTES))
     processes, local = hosts.shape
     if not is_positive(num_partitions):
         raise MeshError(f"num_partitions must be a positive integer, got {num_partitions!r}.")
@@ -168,7 +174,9 @@ def default_mesh(
         backend: The platform to take devices from when ``devices`` is not given.
         ici_mesh_shape: The ``(replica, data, model)`` sizes inside each granule.
         dcn_mesh_shape: The ``(replica, data, model)`` sizes across granules.
-        devices: The devices. Defaults to ``jax.devices(backend)``.
+        devices: The devices: JAX devices, or stand-ins with a device's ``id``,
+            ``process_index``, ``platform`` and ``device_kind`` (and a TPU core's ``coords``
+            and ``core_on_chip``). Defaults to ``jax.devices(backend)``.
 
     Returns:
         The mesh.
@@ -189,7 +197,7 @@ def default_mesh(
     """
     if num_partitions is not None or (model_parallel_submesh is None and ici_mesh_shape is None):
         num_partitions = check.positive_int(num_partitions, "num_partitions")
-    devices = device_tuple(devices, backend)
+    devices = device_tuple(devices, backend, JAX_MESH_ATTRIBUTES)
     if (ici_mesh_shape is None) != (dcn_mesh_shape is None):
         raise MeshError(
             f"ici_mesh_shape={ici_mesh_shape} and dcn_mesh_shape={dcn_mesh_shape}: give both "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._frontend._options import InitOptions
@@ -92,25 +92,38 @@ class StatePartitioning:
         return self._plan(*annotated_leaves(train_state), strict=strict)
 
     def get_mesh_axes(self, train_state: Any, *, strict: bool = False) -> Any:
-        """The ``PartitionSpec`` of every array of a train state (``None`` for other leaves).
+        """The ``PartitionSpec`` of every array of a train state, ``None`` where it has no axes.
 
-        The result is what :meth:`partition` takes as axis resources for the state.
+        As in t5x, a leaf without axis names (``None`` in :meth:`get_logical_axes`: the step,
+        an optimizer's counts, Adafactor's ``(1,)`` placeholders, any leaf that is not an
+        array) gets ``None``, and a leaf with names gets the ``PartitionSpec`` they resolve to,
+        ``P(None, None)`` if they all stay unsharded. The exceptions are this library's: a leaf
+        annotated in mesh axes keeps its spec, and so does a leaf without names that the plan
+        still shards (over idle mesh axes, see ``use_idle_axes``).
+
+        The result is what :meth:`partition` takes as axis resources for the state: there, as
+        in :meth:`move_params_to_devices`, ``None`` is replicated.
 
         Example:
             >>> import flax.linen as nn
+            >>> import jax
             >>> import jax.numpy as jnp
             >>> from flax_escale import create_mesh
             >>> from flax_escale.t5x import Partitioner
             >>> partitioner = Partitioner(mesh=create_mesh((1, 4, 1, 2, 1)))
             >>> names = ("hidden_state", "mlp_intermediate")
             >>> kernel = nn.LogicallyPartitioned(jnp.zeros((8, 16)), names)
-            >>> partitioner.get_mesh_axes({"kernel": kernel, "step": 0})
+            >>> step = jax.ShapeDtypeStruct((), jnp.int32)
+            >>> partitioner.get_mesh_axes({"kernel": kernel, "step": step})
             {'kernel': P(('fsdp', 'sp'), 'tp'), 'step': None}
         """
         treedef, items = annotated_leaves(train_state)
         specs = iter(self._plan(treedef, items, strict=strict).entries)
         return treedef.unflatten(
-            [next(specs).spec if hasattr(value, "shape") else None for _, value, _ in items]
+            [
+                _mesh_axes(next(specs).spec, annotation) if hasattr(value, "shape") else None
+                for _, value, annotation in items
+            ]
         )
 
     def move_params_to_devices(self, train_state: Any, train_state_axes: Any) -> Any:
@@ -144,3 +157,13 @@ class StatePartitioning:
             self.logical_axis_rules, strict=strict, use_idle_axes=self.use_idle_axes
         )
         return plan_variables(structure, arrays, self.mesh, options)
+
+
+def _mesh_axes(spec: PartitionSpec, annotation: Annotation | None) -> PartitionSpec | None:
+    """t5x's entry for an array: ``None`` when it has no axes and the plan leaves it whole."""
+    named = annotation is not None and (
+        annotation.logical_axes is not None or annotation.mesh_axes is not None
+    )
+    if named or any(entry is not None for entry in spec):
+        return spec
+    return None

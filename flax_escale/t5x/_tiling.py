@@ -24,6 +24,7 @@ from flax_escale.t5x._hardware import (
     TPU_AXES,
     HardwareMesh,
     auto_mesh,
+    checked_devices,
     divisors,
     hardware_grid,
     is_positive,
@@ -68,7 +69,9 @@ def get_mesh(
         model_parallel_submesh: The tile, ``(x, y, z, core)`` on TPU (e.g. ``(1, 1, 1, 2)``
             for both cores of a v3 chip) or ``(processes, local devices)`` elsewhere. Each
             entry must divide the matching hardware size.
-        input_devices: The devices. Defaults to ``jax.devices(backend)``.
+        input_devices: The devices: JAX devices, or stand-ins with a device's ``id`` and
+            ``process_index`` (and a TPU core's ``coords`` and ``core_on_chip``). Defaults to
+            ``jax.devices(backend)``.
         input_local_devices: The devices of one process, whose block sets the host size.
             Defaults to those of the lowest process index among ``input_devices``.
         tile_by_host_if_needed: Tile by host when needed; if ``False``, raise instead.
@@ -83,7 +86,8 @@ def get_mesh(
             or if tiling by host needs a submesh entry that is neither a factor nor a multiple
             of the host's size.
         EscaleTypeError: If ``model_parallel_submesh`` is not a sequence of sizes, the
-            devices are not sequences of devices, or ``backend`` is not a platform name.
+            devices are not sequences of devices (an entry without those attributes
+            included), or ``backend`` is not a platform name.
         EscaleError: If ``backend`` names a platform JAX does not have here.
 
     Example:
@@ -94,8 +98,8 @@ def get_mesh(
         >>> [d.id for d in mesh.devices[1]]
         [2, 3]
     """
-    devices = check.devices(input_devices, "input_devices") or check.devices_of(backend)
-    local_devices = check.devices(input_local_devices, "input_local_devices")
+    devices = checked_devices(input_devices, "input_devices") or check.devices_of(backend)
+    local_devices = checked_devices(input_local_devices, "input_local_devices")
     grid = hardware_grid(devices)
     names = TPU_AXES if grid.ndim == 4 else HOST_AXES
     submesh = _checked_submesh(model_parallel_submesh, grid.shape, names)
