@@ -15,20 +15,23 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import regex
 
 __all__ = ["Resharding", "compile_collecting", "summarize"]
 
-_REPORT = re.compile(
+# A sharding in either of XLA's notations: the tile form ``{devices=[8,1]<=[8]}`` (jaxlib 0.10)
+# or the named form ``{mesh['dp'=4,...], [{'fsdp', 'dp'}, {}]}`` (0.11), whose braces nest.
+_REPORT = regex.compile(
     r"Involuntary full rematerialization\. The compiler cannot go from sharding "
-    r"(?P<source>\{[^{}]*\}) to (?P<target>\{[^{}]*\}) efficiently for HLO operation "
-    r"%\S+ = (?P<shape>\w+\[[^\]]*\])(?:\{[^}]*\})? (?P<operation>[\w-]+)\("
+    r"(?P<source>\{(?:[^{}]++|(?&source))*\}) to (?P<target>\{(?:[^{}]++|(?&target))*\}) "
+    r"efficiently for HLO operation %\S+ = (?P<shape>\w+\[[^\]]*\])(?:\{[^}]*\})? "
+    r"(?P<operation>[\w-]+)\("
 )
 
 

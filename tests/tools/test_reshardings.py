@@ -30,6 +30,14 @@ REPORT_LINE = (
 )
 
 
+TILES = (
+    "{devices=[8,1,1]<=[4,2]T(1,0)}",
+    "{devices=[1,1,2,4]<=[4,2]T(1,0) last_tile_dim_replicate}",
+)
+MESH = "mesh['dp'=4,'fsdp'=2,'ep'=1,'tp'=1,'sp'=1]"
+NAMED = (f"{{{MESH}, [{{'fsdp', 'dp'}}, {{}}, {{}}]}}", f"{{{MESH}, [{{}}, {{}}, {{'fsdp'}}]}}")
+
+
 def _move(source, target, shape=(8, 32, 64)):
     mesh = fe.create_mesh((4, 2, 1, 1, 1))
     x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, source))
@@ -43,14 +51,11 @@ def _move(source, target, shape=(8, 32, 64)):
 def test_a_resharding_done_by_replicating_is_reported_and_not_printed(capfd):
     compiled, reports = compile_collecting(_move(P(("fsdp", "dp")), P(None, None, "fsdp")))
     assert isinstance(compiled, jax.stages.Compiled)
-    assert reports == (
-        Resharding(
-            operation="parameter",
-            shape="f32[1,32,64]",
-            source="{devices=[8,1,1]<=[4,2]T(1,0)}",
-            target="{devices=[1,1,2,4]<=[4,2]T(1,0) last_tile_dim_replicate}",
-        ),
-    )
+    # XLA spells shardings as tiles up to jaxlib 0.10, by mesh axes from 0.11.
+    assert reports in [
+        (Resharding("parameter", "f32[1,32,64]", *TILES),),
+        (Resharding("parameter", "f32[1,32,64]", *NAMED),),
+    ]
     assert "Involuntary" not in capfd.readouterr().err
 
 
