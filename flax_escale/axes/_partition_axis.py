@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -72,6 +73,15 @@ def _decode_aliases(cls: _Class) -> _Class:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **_canonical_names(kwargs))
 
+    # The signature lists the aliases too, so that help() and introspection see them.
+    signature = inspect.signature(init)
+    aliases = [
+        inspect.Parameter(alias, inspect.Parameter.KEYWORD_ONLY, default=..., annotation=Any)
+        for alias in _DECODE_ALIASES
+    ]
+    __init__.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*signature.parameters.values(), *aliases]
+    )
     cls.__init__ = __init__
     for alias, field in _DECODE_ALIASES.items():
         getter = functools.partial(_read_field, name=field)
@@ -235,7 +245,8 @@ class PartitionAxis:
         if unknown:
             raise EscaleError(f"PartitionAxis has no field {unknown[0]!r}.")
         kept = {name: getattr(self, name) for name in (*_NOT_LOGICAL, *self._given)}
-        return PartitionAxis(**{**kept, **changes})
+        # type(self): a subclass's copy keeps the subclass's defaults.
+        return type(self)(**{**kept, **changes})
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:

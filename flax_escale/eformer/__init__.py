@@ -4,19 +4,22 @@
 vocabulary lives here only: the core speaks JAX's and Flax's. A name is the core's own object
 where eformer's call means the same to it (``create_mesh``, ``with_sharding_constraint``,
 ``make_shard_and_gather_fns``, ...), and an adapter over the core where it does not:
-``get_incontext_mesh(raise_error=)`` over :func:`~flax_escale.mesh.current_mesh`,
-``match_partition_rules`` (its ``strict``) over :func:`~flax_escale.sharding.specs_from_regex`,
+``PartitionAxis`` (the core's, with eformer's decode defaults: each ``decode_*`` field follows
+its training field), ``get_incontext_mesh(raise_error=)`` over
+:func:`~flax_escale.mesh.current_mesh` (an empty ``Mesh`` when there is none, as in eformer),
+``match_partition_rules`` (its ``strict``; any leaf, not only arrays) over
+:func:`~flax_escale.sharding.specs_from_regex`,
 ``auto_partition_spec(x, mesh, names, min_sharding_size, reverse)`` over
-:func:`~flax_escale.sharding.spec_from_shape`, ``MeshPartitionHelper`` (its
-``create_partition_spec`` takes candidate ``methods``), ``analyze_sharding_strategy`` (a dict
-over the figures of :class:`~flax_escale.ShardingReport`), the mesh queries, the spec readers,
-``create_pattern_based_partition_spec`` and ``PartitionManager``. So results follow the
-library's policy: a spec that cannot apply is corrected with a
-:class:`~flax_escale.ShardingCorrectionWarning` (never dropped silently), and errors are
-:class:`~flax_escale.EscaleError` subclasses (``ValueError``), where eformer raises
-``AssertionError`` for a missing mesh and ``KeyError`` for an unknown axis.
-``extract_sharding_structure`` and ``get_shardings_with_structure`` are
-:func:`extract_shardings`.
+:func:`~flax_escale.sharding.spec_from_shape`, ``MeshPartitionHelper`` (eformer's suggested
+methods and their placement in ``create_partition_spec``), ``analyze_sharding_strategy`` (a
+dict over the figures of :class:`~flax_escale.ShardingReport`), the mesh queries, the spec
+readers (``extract_sharding_structure(pytree=)`` and ``get_shardings_with_structure(pytree=)``
+over :func:`extract_shardings`), ``create_pattern_based_partition_spec`` and
+``PartitionManager``. So results follow the library's policy: a spec that cannot apply is
+corrected with a :class:`~flax_escale.ShardingCorrectionWarning` (never dropped silently), no
+spec fails to divide its shape, and errors are :class:`~flax_escale.EscaleError` subclasses
+(``ValueError``), where eformer raises ``AssertionError`` for a missing mesh and ``KeyError``
+for an unknown axis.
 
 The README's "Coming from eformer" section maps each call to the library's own.
 
@@ -38,12 +41,12 @@ Example:
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_escale.axes import PartitionAxis
 from flax_escale.eformer._functions import auto_partition_spec, match_partition_rules
 from flax_escale.eformer._helper import MeshPartitionHelper
 from flax_escale.eformer._inspect import (
     ShardingAnalysis,
     analyze_sharding_strategy,
+    extract_sharding_structure,
     extract_shardings,
     get_names_from_partition_spec,
     get_partition_spec,
@@ -57,6 +60,7 @@ from flax_escale.eformer._mesh import (
     get_submesh_device_index,
     names_in_current_mesh,
 )
+from flax_escale.eformer._partition_axis import PartitionAxis
 from flax_escale.eformer._pattern import create_pattern_based_partition_spec
 from flax_escale.mesh import (
     calculate_host_mesh_shape,
@@ -68,9 +72,8 @@ from flax_escale.mesh import (
 )
 from flax_escale.sharding import make_shard_and_gather_fns, with_sharding_constraint
 
-# eformer has three names for reading a tree's shardings; the library has one.
-extract_sharding_structure = extract_shardings
-get_shardings_with_structure = extract_shardings
+# eformer's two names for one function, which takes the tree as `pytree`.
+get_shardings_with_structure = extract_sharding_structure
 
 __all__ = [
     "MeshPartitionHelper",

@@ -6,6 +6,7 @@ the core, so corrections, errors and results are the library's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +17,14 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import current_mesh
+from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.sharding import spec_from_shape, specs_from_regex
-from flax_escale.sharding._rules import checked_min_size
+from flax_escale.sharding._rules import (
+    PartitionRuleError,
+    as_rule_spec,
+    checked_min_size,
+    compile_rules,
+)
 
 __all__ = ["auto_partition_spec", "match_partition_rules"]
 
@@ -28,42 +35,85 @@ def match_partition_rules(
     min_size: int | None = 0,
     strict: bool = True,
 ) -> Any:
-    """A ``PartitionSpec`` for every array of ``tree``, from the first regex matching its path.
+    """A ``PartitionSpec`` for every leaf of ``tree``, from the first regex matching its path.
 
-    :func:`flax_escale.sharding.specs_from_regex` with eformer's meaning of ``strict``:
-    ``True`` applies ``min_size`` (``None`` is eformer's default minimum, 16384 elements),
-    ``False`` applies every matched rule whatever the array's size. In both modes an array no
-    rule matches raises, as in eformer; specs are always cut to the array's rank, and cutting
-    mesh axes warns with :class:`~flax_escale.ShardingCorrectionWarning`.
+    :func:`flax_escale.sharding.specs_from_regex` with eformer's meaning of ``strict``. Leaves
+    without a shape (ints, floats, strings) and scalars get ``P()``, and ``None`` stays
+    ``None``, as in eformer. ``strict=True`` replicates arrays under ``min_size`` elements
+    (``None`` is eformer's default minimum, 16384) and needs a rule for every other array.
+    ``strict=False`` applies every matched rule whatever the array's size and, as in eformer,
+    needs a rule for every leaf, those without a shape included; they still get ``P()``, since
+    nothing can split a value without dimensions (eformer hands them the rule's spec). Specs
+    are cut to the array's rank in both modes, and cutting mesh axes warns with
+    :class:`~flax_escale.ShardingCorrectionWarning` (eformer cuts only with ``strict``).
 
     Args:
         rules: ``(regex, PartitionSpec)`` pairs, tried in order.
-        tree: Any pytree of arrays (paths are ``/``-joined keys).
+        tree: Any pytree (paths are ``/``-joined keys).
         min_size: Arrays with fewer elements stay unsharded (with ``strict``).
-        strict: Apply ``min_size``.
+        strict: Apply ``min_size``, and ask rules of arrays only.
 
     Returns:
         A tree of ``PartitionSpec`` shaped like ``tree``.
 
     Raises:
-        PartitionRuleError: For an array no rule matches (a ``ValueError``, as in eformer).
-        EscaleTypeError: For malformed ``rules`` or ``tree`` (see
+        PartitionRuleError: For a leaf that needs a rule and matches none (a ``ValueError``,
+            as in eformer), or a regex that does not compile.
+        EscaleTypeError: For malformed ``rules`` (see
             :func:`flax_escale.sharding.specs_from_regex`), or ``strict`` not a bool.
 
     Example:
         >>> import numpy as np
         >>> from jax.sharding import PartitionSpec as P
         >>> from flax_escale import eformer as escale
-        >>> tree = {"w": np.zeros((64, 64)), "b": np.zeros(64)}
+        >>> tree = {"w": np.zeros((64, 64)), "b": np.zeros(64), "step": 3, "note": None}
         >>> rules = [("w", P("fsdp", "tp")), (".*", P())]
-        >>> escale.match_partition_rules(rules, tree, min_size=None)["w"]  # 4096 < 16384
-        P()
+        >>> escale.match_partition_rules(rules, tree, min_size=None)  # 4096 < 16384
+        {'b': P(), 'note': None, 'step': P(), 'w': P()}
         >>> escale.match_partition_rules(rules, tree, min_size=None, strict=False)["w"]
         P('fsdp', 'tp')
     """
     strict = check.flag(strict, "strict")
-    checked_min_size(min_size, "match_partition_rules: min_size")  # checked even when unused
-    return specs_from_regex(rules, tree, min_size=min_size if strict else 0, strict=True)
+    min_size = checked_min_size(min_size, "match_partition_rules: min_size")
+    pairs = check.pairs(
+        rules, "rules", "(regex, PartitionSpec)", "[('kernel$', PartitionSpec('fsdp', 'tp'))]"
+    )
+    compiled = compile_rules(
+        tuple((pattern, as_rule_spec(spec, pattern)) for pattern, spec in pairs)
+    )
+    flat, treedef = flatten_with_paths(tree)
+    unmatched = [
+        f"{path!r} {_described(value)}"
+        for path, value, _ in flat
+        if (not strict or _shardable(value, min_size))
+        and not any(pattern.search(path) for _, pattern, _ in compiled)
+    ]
+    if unmatched:
+        every_leaf = (
+            " With strict=False every leaf needs a rule, as in eformer, even one without a shape."
+            if not strict
+            else ""
+        )
+        raise PartitionRuleError(
+            f"match_partition_rules: no partition rule matches {', '.join(unmatched)}; rules "
+            f"tried: {[pattern for pattern, _, _ in compiled]}. Add a rule for these paths (a "
+            f"last ('.*', PartitionSpec()) replicates everything else).{every_leaf}"
+        )
+    if not any(hasattr(value, "shape") for _, value, _ in flat):
+        # Nothing to split (the core refuses such a tree as a likely mistake; eformer does not).
+        return treedef.unflatten([PartitionSpec() for _ in flat])
+    return specs_from_regex(pairs, tree, min_size=min_size if strict else 0, strict=True)
+
+
+def _shardable(value: Any, min_size: float) -> bool:
+    # The arrays specs_from_regex looks a rule up for: the others are replicated before that.
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) > 0 and math.prod(shape) >= min_size
+
+
+def _described(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"({type(value).__name__})" if shape is None else str(tuple(shape))
 
 
 def auto_partition_spec(

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale._checks import describe
 from flax_escale._specs import mesh_axes_of
+from flax_escale.eformer._mesh import non_empty_mesh
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan._paths import is_box, unbox
@@ -27,6 +28,7 @@ from flax_escale.sharding._measure import LayoutFigures, measure_layout
 __all__ = [
     "ShardingAnalysis",
     "analyze_sharding_strategy",
+    "extract_sharding_structure",
     "extract_shardings",
     "get_names_from_partition_spec",
     "get_partition_spec",
@@ -41,6 +43,7 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
 
     Raises:
         NoMeshError: If a leaf carries a ``PartitionSpec`` and there is no mesh.
+        MeshError: If ``mesh`` is empty (:func:`get_incontext_mesh` outside any mesh).
         EscaleTypeError: If ``mesh`` is not a mesh, or ``tree`` holds no array (a string or
             ``None``, say), which would otherwise give ``None`` as if nothing were sharded.
 
@@ -55,13 +58,40 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> extract_shardings({"w": w, "n": 3})["n"] is None
         True
     """
-    mesh = check.optional_mesh(mesh)
-    check.tree_of_arrays(tree, "tree")
+    return _shardings(tree, non_empty_mesh(mesh), "extract_shardings", "tree")
+
+
+def extract_sharding_structure(pytree: Any) -> Any:
+    """:func:`extract_shardings` under eformer's other names, which take the tree as ``pytree``.
+
+    ``get_shardings_with_structure`` is this function too. eformer's reads only placed
+    ``jax.Array`` leaves; this one also reads a ``jax.ShapeDtypeStruct``'s sharding and Flax
+    boxes, as :func:`extract_shardings` does.
+
+    Raises:
+        NoMeshError: If a leaf carries a ``PartitionSpec`` and no mesh is set.
+        EscaleTypeError: If ``pytree`` holds no array.
+
+    Example:
+        >>> import jax
+        >>> import numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> from flax_escale import eformer as escale
+        >>> mesh = escale.create_mesh((1, 8, 1, 1, 1))
+        >>> w = jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, PartitionSpec("fsdp")))
+        >>> escale.get_shardings_with_structure(pytree={"w": w})["w"].spec
+        P('fsdp',)
+    """
+    return _shardings(pytree, None, "extract_sharding_structure", "pytree")
+
+
+def _shardings(tree: Any, mesh: Mesh | None, caller: str, argument: str) -> Any:
+    check.tree_of_arrays(tree, argument)
 
     def sharding_of(leaf: Any) -> NamedSharding | None:
         sharding = getattr(unbox(leaf), "sharding", None)
         if isinstance(sharding, PartitionSpec):
-            return check.named_sharding_of(_mesh(mesh, "extract_shardings"), sharding, "tree")
+            return check.named_sharding_of(_mesh(mesh, caller), sharding, argument)
         return sharding if isinstance(sharding, NamedSharding) else None
 
     return jax.tree.map(sharding_of, tree, is_leaf=is_box)
@@ -203,6 +233,7 @@ def analyze_sharding_strategy(
     Raises:
         EscaleError: If ``partition_specs`` is not shaped like ``pytree``, or a spec cannot
             exist on the mesh (an axis it lacks or used twice, more entries than dimensions).
+        MeshError: If ``mesh`` is empty (:func:`get_incontext_mesh` outside any mesh).
         EscaleTypeError: If ``pytree`` holds no array, ``mesh`` is not a mesh, or a spec is
             not a ``PartitionSpec``.
 
@@ -222,7 +253,7 @@ def analyze_sharding_strategy(
         >>> a["total_parameters"], a["memory_per_device"][0]  # eformer's keys
         (136, 96)
     """
-    mesh = check.optional_mesh(mesh)
+    mesh = non_empty_mesh(mesh)
     mesh = _mesh(mesh, "analyze_sharding_strategy") if mesh is None else mesh
     check.tree_of_arrays(pytree, "pytree")
     return measure_layout(pytree, partition_specs, mesh, into=ShardingAnalysis)

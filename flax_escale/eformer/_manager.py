@@ -73,8 +73,8 @@ class PartitionManager:
         >>> manager = escale.PartitionManager(escale.PartitionAxis())
         >>> manager.resolve(["batch", "sequence", "hidden_state"])
         P(('fsdp', 'dp'), 'sp', 'tp')
-        >>> manager.resolve(["batch", "sequence", "hidden_state"], mode="decode")
-        P(None, 'sp', 'tp')
+        >>> manager.resolve(["batch", "query_sequence", "hidden_state"], mode="decode")
+        P(('fsdp', 'dp'), None, 'tp')
         >>> mesh = escale.create_mesh((1, 4, 1, 2, 1))
         >>> with jax.set_mesh(mesh):
         ...     y = jax.jit(lambda x: manager.shard(x, ["batch", None, "hidden_state"]))(

@@ -10,8 +10,10 @@ names these questions itself; these are its names, answered by the library's cur
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale import _checks as check
@@ -30,18 +32,20 @@ __all__ = [
 ]
 
 
-def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
-    """The current mesh; with ``raise_error=False``, ``None`` when there is none.
+def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh:
+    """The current mesh; with ``raise_error=False``, an empty ``Mesh`` when there is none.
 
     The mesh is found as :func:`flax_escale.mesh.current_mesh` finds it: ``jax.set_mesh``
-    first, then the legacy ``with mesh:``.
+    first, then the legacy ``with mesh:`` (eformer sees only the legacy one). As in eformer,
+    the mesh given when there is none is empty (``mesh.empty`` is true, it has no axes and no
+    devices), so code that tests ``mesh.empty`` or reads ``mesh.axis_names`` runs unchanged.
 
     Args:
         raise_error: Raise when no mesh is set (eformer raises ``AssertionError`` there; this
             raises :class:`~flax_escale.NoMeshError`, a ``ValueError``).
 
     Returns:
-        The current ``Mesh`` (its ``AbstractMesh`` while tracing), or ``None``.
+        The current ``Mesh`` (its ``AbstractMesh`` while tracing), or the empty ``Mesh``.
 
     Raises:
         NoMeshError: If no mesh is set and ``raise_error`` is true.
@@ -50,8 +54,9 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
     Example:
         >>> import jax
         >>> from flax_escale import eformer as escale
-        >>> escale.get_incontext_mesh(raise_error=False) is None
-        True
+        >>> none = escale.get_incontext_mesh(raise_error=False)
+        >>> none.empty, none.axis_names
+        (True, ())
         >>> mesh = escale.create_mesh()
         >>> with jax.set_mesh(mesh):
         ...     escale.get_incontext_mesh() is mesh
@@ -63,7 +68,31 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh | None:
     except NoMeshError:
         if raise_error:
             raise
-        return None
+        return _EMPTY_MESH
+
+
+# What JAX itself holds as the mesh outside any `with mesh:`, and what eformer hands back.
+_EMPTY_MESH = Mesh(np.empty((), dtype=object), ())
+
+
+def non_empty_mesh(value: Any, argument: str = "mesh") -> Mesh | AbstractMesh | None:
+    """``value`` checked to be ``None`` or a mesh with devices.
+
+    The empty mesh :func:`get_incontext_mesh` gives has no devices to place anything on, and
+    JAX fails on it in ways that do not say why (or aborts the process).
+
+    Raises:
+        EscaleTypeError: If ``value`` is neither ``None`` nor a mesh.
+        MeshError: If it is an empty mesh.
+    """
+    mesh = check.optional_mesh(value, argument)
+    if mesh is not None and mesh.empty:
+        raise MeshError(
+            f"{argument} is an empty mesh (no axes, no devices), as "
+            "get_incontext_mesh(raise_error=False) gives when no mesh is set; pass a mesh built "
+            "with create_mesh(...), or set one with jax.set_mesh(mesh) first."
+        )
+    return mesh
 
 
 def names_in_current_mesh(*names: str) -> bool:

@@ -54,7 +54,7 @@ analysis = escale.analyze_sharding_strategy(params, specs, mesh)
 report = {key: analysis[key] for key in ("total_parameters", "sharded_parameters")}
 
 structure = escale.extract_sharding_structure(sharded)
-same_structure = escale.get_shardings_with_structure(sharded)
+same_structure = escale.get_shardings_with_structure(pytree=sharded)
 shardings = escale.extract_shardings(sharded, mesh)
 specs_back = escale.get_partition_spec(sharded)
 used_axes = escale.get_names_from_partition_spec(eager_specs)
@@ -159,7 +159,8 @@ def test_program_reads_layouts_back(program):
 
 
 def test_program_mesh_queries(program):
-    assert program["no_mesh"] is None
+    assert program["no_mesh"].empty  # eformer's empty Mesh, not None
+    assert program["no_mesh"].axis_names == ()
     assert program["current"] is program["mesh"]
     assert program["has_names"] is True
     assert program["data_size"] == 4
@@ -173,8 +174,10 @@ def test_program_activations_and_automatic_specs(program):
     np.testing.assert_array_equal(program["hidden"], np.full((8, 4, 64), 2.0, np.float32))
     # Dimension 1 has size 1: decode mode, so the decode_* fields apply.
     assert program["decode_spec"] == P("dp", None, None)
-    assert program["methods"][(64, 256)] == [("fsdp",), ("tp",)]
-    assert program["kernel_spec"] == P(("fsdp", "sp"), "tp")  # dp has size 1: skipped
+    # eformer's suggestions, and its placement of them: the pair (fsdp, sp) spreads over the
+    # first two dimensions and ends the first pass.
+    assert program["methods"][(64, 256)] == [("fsdp", "sp"), ("dp",), ("tp",)]
+    assert program["kernel_spec"] == P("fsdp", "sp")
     assert program["auto_sharded"]["mlp"]["kernel"].sharding.spec == P("fsdp", "tp")
     assert program["auto_spec"] == P("fsdp", "tp")
 
@@ -273,33 +276,64 @@ def test_with_sharding_constraint_keywords_trees_and_corrections():
     assert escale.with_sharding_constraint(arr=tree["a"], sharding=named).sharding == named
 
 
-def test_helper_methods_are_candidates_in_priority_order():
+def test_helper_places_methods_as_eformer_does():
+    # Each spec here is the one eformer 0.0.101 gives for the same call.
     helper = escale.MeshPartitionHelper(escale.create_mesh((2, 2, 1, 2, 1)))
-    # Longer than the rank: each method goes where it fits, the rest are skipped.
+    # First pass: a dimension must hold at least elements // (2 * devices); a pair spreads
+    # over dimensions 0 and 1 and ends the pass, whatever comes after it.
     assert helper.create_partition_spec((64, 256), [("fsdp",), ("dp",), ("tp",)], 1) == P(
         "fsdp", "dp"
     )
-    assert helper.create_partition_spec((64, 256), [("tp",), ("fsdp", "dp")], 1) == P(
-        "tp", ("fsdp", "dp")
+    assert helper.create_partition_spec((64, 256), [("tp",), ("fsdp", "dp")], 1) == P("fsdp", "dp")
+    assert helper.create_partition_spec((1024, 1024, 4), [("dp",), ("fsdp", "sp"), ("tp",)]) == P(
+        "fsdp", "sp", None
     )
-    # A method that divides nothing free is skipped; one naming a taken axis too.
-    assert helper.create_partition_spec((6, 10), [("fsdp", "dp"), ("tp",), ("tp",)], 1) == P(
-        None, "tp"
-    )
-    assert helper.create_partition_spec((16, 16), [("fsdp",)]) == P()  # under min_shard_size
+    # A pair whose second axis exceeds dimension 1 is not spread; groups of three are passed
+    # over; one entry per dimension, as eformer's.
+    assert helper.create_partition_spec((12, 1), [("fsdp", "tp")], 1) == P(None, None)
+    assert helper.create_partition_spec((64, 256), [("fsdp", "sp", "dp")], 1) == P(None, None)
+    assert helper.create_partition_spec((8, 0), [("fsdp", "tp")], 1) == P(("fsdp", "tp"), None)
     assert helper.create_partition_spec((), [("fsdp",)], 0) == P()
-    # The library's own suggestions, one per dimension, are applied as they are.
-    for shape in [(1024, 4096), (6, 4096), (4096, 6, 8), (8, 1024)]:
-        methods = helper._suggest_methods(shape)
-        assert helper.create_partition_spec(shape, methods) == fe.sharding.spec_from_shape(
-            shape, helper.mesh
-        ), shape
+    # Second pass, when nothing was placed: min_shard_size is the bar, the (fsdp, sp) pair the
+    # only pair.
+    assert helper.create_partition_spec((2048, 2048), [("fsdp",), ("tp",)]) == P("fsdp", "tp")
+    assert helper.create_partition_spec((8, 1024), [("tp",), ("fsdp", "sp")]) == P(None, "tp")
+    assert helper.create_partition_spec((16, 16), [("fsdp",)]) == P(None, None)
+
+
+def test_helper_passes_over_what_eformer_would_place_wrongly():
+    helper = escale.MeshPartitionHelper(escale.create_mesh((1, 4, 1, 2, 1)))
+    # eformer: P('fsdp', 'sp') (6 rows over fsdp=4, which jax.device_put refuses).
+    assert helper.create_partition_spec((6, 4096), [("fsdp", "sp"), ("tp",)]) == P(None, "tp")
+    assert helper.create_partition_spec((3, 5), helper._suggest_methods((3, 5))) == P(None, None)
+    # eformer: IndexError for the second pass's pair on a vector.
+    assert helper.create_partition_spec((4096,), [("fsdp", "sp")]) == P(("fsdp", "sp"))
+    # eformer: P('fsdp', 'fsdp'); a mesh axis is used once.
+    assert helper.create_partition_spec((1024, 1024), [("fsdp",), ("fsdp",)]) == P("fsdp", None)
+    sharded = helper.shard_array(np.zeros((6, 4096), np.float32), P(None, "tp"))
+    assert sharded.addressable_shards[0].data.shape == (6, 2048)
+
+
+def test_helper_method_errors():
+    helper = escale.MeshPartitionHelper(escale.create_mesh((2, 2, 1, 2, 1)))
     with pytest.raises(ValueError, match=r"methods\[1\] \('model',\): 'model' is not an axis"):
         helper.create_partition_spec((64, 64), [("fsdp",), ("model",)], 1)
+    with pytest.raises(ValueError, match=r"methods\[0\] \('tp', 'tp'\) names a mesh axis twice"):
+        helper.create_partition_spec((64, 64), [("tp", "tp")], 1)
     with pytest.raises(TypeError, match=r"methods must be a list of sharding methods .*str"):
         helper.create_partition_spec((64, 64), "fsdp", 1)
     with pytest.raises(TypeError, match=r"methods\[0\] must be None, a mesh axis name"):
         helper.create_partition_spec((64, 64), [3], 1)
+    with pytest.raises(
+        TypeError, match=r"got the spec (P|PartitionSpec)\('fsdp', None\), which is a placement"
+    ):
+        helper.create_partition_spec((64, 64), P("fsdp", None), 1)
+    with pytest.raises(
+        TypeError, match=r"shape must be a shape \(a tuple of ints\), got the int 1024"
+    ):
+        helper._suggest_methods(1024)
+    with pytest.raises(ValueError, match=r"mesh is an empty mesh .*get_incontext_mesh"):
+        escale.MeshPartitionHelper(escale.get_incontext_mesh(raise_error=False))
 
 
 def test_partition_manager_resolves_and_shards():
@@ -307,7 +341,8 @@ def test_partition_manager_resolves_and_shards():
     manager = escale.PartitionManager(escale.PartitionAxis())
     axes = ["batch", "sequence", "hidden_state"]
     assert manager.resolve(axes) == P(("fsdp", "dp"), "sp", "tp")
-    assert manager.resolve(axes, mode="decode") == P(None, "sp", "tp")
+    # eformer's decode_batch_axis follows batch_axis.
+    assert manager.resolve(axes, mode="decode") == P(("fsdp", "dp"), "sp", "tp")
     # eformer's mode constants and semantic axis constants, by value.
     eformer_axes = ["__BATCH__", "__LENGTH__", "__EMBED__"]
     assert manager.resolve(eformer_axes, mode="__train__") == manager.resolve(axes)
@@ -321,7 +356,7 @@ def test_partition_manager_resolves_and_shards():
         y = jax.jit(lambda x: manager.shard(x, axes, mode=1))(jnp.ones((8, 1, 16)))
         with pytest.raises(ValueError, match=r"(?s)size 3 is not divisible.*strict=True"):
             manager.shard(jnp.ones((8, 4, 3)), axes, auto_correct=False)
-    assert y.addressable_shards[0].data.shape == (8, 1, 8)  # decode: batch unsharded
+    assert y.addressable_shards[0].data.shape == (2, 1, 8)  # decode: batch over (fsdp, dp)
     assert manager == escale.PartitionManager(escale.PartitionAxis())
     assert hash(manager) == hash(escale.PartitionManager(escale.PartitionAxis()))
 
