@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from flax_escale._specs import mesh_axes_of
-from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 
 __all__ = [
     "array",
@@ -224,8 +224,18 @@ def mesh(value: Any, argument: str = "mesh") -> Mesh | AbstractMesh:
     Raises:
         EscaleTypeError: For anything else, naming the argument and value; a string is told to
             go through ``parse_mesh_from_string``.
+        MeshError: For the empty mesh (no devices, no axes), which JAX gives where no mesh is
+            set and which nothing can be placed on.
     """
     if isinstance(value, (Mesh, AbstractMesh)):
+        if value.empty:
+            # JAX fails on it in ways that do not say why, or aborts the process.
+            raise MeshError(
+                f"{argument} is an empty mesh (no axes, no devices), as "
+                "get_incontext_mesh(raise_error=False) and jax.sharding.get_mesh() give where no "
+                "mesh is set; pass a mesh built with create_mesh(...), or set one with "
+                "jax.set_mesh(mesh) first."
+            )
         return value
     if isinstance(value, str):
         raise EscaleTypeError(

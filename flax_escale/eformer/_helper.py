@@ -18,7 +18,6 @@ from jax.sharding import Mesh, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
-from flax_escale.eformer._mesh import non_empty_mesh
 from flax_escale.eformer._methods import Method, place_methods, suggested_methods
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._paths import flatten_with_paths
@@ -66,7 +65,7 @@ class MeshPartitionHelper:
             MeshError: If ``mesh`` is empty (:func:`get_incontext_mesh` outside any mesh).
         """
         self.mesh = check.mesh(mesh)
-        non_empty_mesh(mesh)
+        check.optional_mesh(mesh)
         self.axis_sizes: dict[str, int] = dict(mesh.shape)
         self._paxis = checked_paxis(paxis)
 

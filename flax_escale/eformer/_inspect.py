@@ -19,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale._checks import describe
 from flax_escale._specs import mesh_axes_of
-from flax_escale.eformer._mesh import non_empty_mesh
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan._paths import is_box, unbox
@@ -58,7 +57,7 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> extract_shardings({"w": w, "n": 3})["n"] is None
         True
     """
-    return _shardings(tree, non_empty_mesh(mesh), "extract_shardings", "tree")
+    return _shardings(tree, check.optional_mesh(mesh), "extract_shardings", "tree")
 
 
 def extract_sharding_structure(pytree: Any) -> Any:
@@ -253,7 +252,7 @@ def analyze_sharding_strategy(
         >>> a["total_parameters"], a["memory_per_device"][0]  # eformer's keys
         (136, 96)
     """
-    mesh = non_empty_mesh(mesh)
+    mesh = check.optional_mesh(mesh)
     mesh = _mesh(mesh, "analyze_sharding_strategy") if mesh is None else mesh
     check.tree_of_arrays(pytree, "pytree")
     return measure_layout(pytree, partition_specs, mesh, into=ShardingAnalysis)

@@ -10,7 +10,6 @@ names these questions itself; these are its names, answered by the library's cur
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import numpy as np
@@ -75,26 +74,6 @@ def get_incontext_mesh(raise_error: bool = True) -> Mesh | AbstractMesh:
 _EMPTY_MESH = Mesh(np.empty((), dtype=object), ())
 
 
-def non_empty_mesh(value: Any, argument: str = "mesh") -> Mesh | AbstractMesh | None:
-    """``value`` checked to be ``None`` or a mesh with devices.
-
-    The empty mesh :func:`get_incontext_mesh` gives has no devices to place anything on, and
-    JAX fails on it in ways that do not say why (or aborts the process).
-
-    Raises:
-        EscaleTypeError: If ``value`` is neither ``None`` nor a mesh.
-        MeshError: If it is an empty mesh.
-    """
-    mesh = check.optional_mesh(value, argument)
-    if mesh is not None and mesh.empty:
-        raise MeshError(
-            f"{argument} is an empty mesh (no axes, no devices), as "
-            "get_incontext_mesh(raise_error=False) gives when no mesh is set; pass a mesh built "
-            "with create_mesh(...), or set one with jax.set_mesh(mesh) first."
-        )
-    return mesh
-
-
 def names_in_current_mesh(*names: str) -> bool:
     """Tells whether the current mesh has every one of the given axis names.
 
@@ -145,6 +124,8 @@ def get_mesh_axis_names(mesh: Mesh | AbstractMesh | None = None) -> list[str]:
         >>> get_mesh_axis_names(create_mesh())
         ['dp', 'fsdp', 'ep', 'tp', 'sp']
     """
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        return list(mesh.axis_names)  # the empty mesh included, as in eformer: []
     mesh = check.optional_mesh(mesh)
     return list((current_mesh() if mesh is None else mesh).axis_names)
 

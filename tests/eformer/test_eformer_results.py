@@ -248,8 +248,19 @@ def test_get_incontext_mesh_outside_a_mesh_is_an_empty_mesh():
         lambda m: escale.extract_shardings({"w": np.zeros(8)}, m),
         lambda m: escale.analyze_sharding_strategy({"w": np.zeros(8)}, {"w": P()}, m),
         lambda m: escale.MeshPartitionHelper(m),
+        # The core's functions check every mesh they are given the same way.
+        lambda m: fe.with_sharding_constraint(np.zeros(8), P(), mesh=m),
+        lambda m: escale.make_shard_and_gather_fns({"w": P()}, m),
+        lambda m: fe.batch_sharding(m, (8, 4)),
     ],
-    ids=["extract_shardings", "analyze_sharding_strategy", "MeshPartitionHelper"],
+    ids=[
+        "extract_shardings",
+        "analyze_sharding_strategy",
+        "MeshPartitionHelper",
+        "with_sharding_constraint",
+        "make_shard_and_gather_fns",
+        "batch_sharding",
+    ],
 )
 def test_the_empty_mesh_is_refused_where_a_mesh_places_arrays(call):
     empty = escale.get_incontext_mesh(raise_error=False)
