@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -99,7 +100,9 @@ def jit_train_step(
         except TypeError as error:
             if not str(error).startswith(_NOT_SCALAR):
                 raise
-            shape = str(error)[len(_NOT_SCALAR) :].strip().rstrip(".")
+            # JAX words the rest differently by version; the shape is the part that matters.
+            found = re.search(r"Output had shape: \([^)]*\)", str(error))
+            shape = found.group(0) if found else str(error)[len(_NOT_SCALAR) :].strip()
             raise EscaleTypeError(
                 f"jit_train_step: step_fn took the gradient of a loss that is not a scalar "
                 f"({shape}); reduce it to one number, e.g. jnp.mean(loss), before jax.grad or "
