@@ -44,7 +44,9 @@ def sharded_module(
     ``xwi/kernel``); the first pattern that matches wins, the innermost decorated module
     first, and a parameter that already carries its own annotation keeps it. Subclasses of a
     decorated class are decorated too (their own ``patterns`` extend the parent's). Values
-    are untouched: only the names are attached, which :func:`init_sharded` then resolves.
+    are untouched and the model's own code reads them as it does undecorated (plain arrays,
+    a tied embedding's ``.T`` included): the names are kept beside them, for
+    :func:`init_sharded` to resolve.
 
     The class goes to :func:`flax_escale.sharded_module` (a ``flax.linen.Module``) or
     :func:`flax_escale.sharded_module` (a ``flax.nnx.Module``).

@@ -1,11 +1,16 @@
-"""``sharded_module`` for Linen: logical names attached to parameters as they are created.
+"""``sharded_module`` for Linen: logical names kept beside the parameters, out of the model's sight.
 
 A decorated class declares ``{path pattern: logical axes}``. While a model initializes, a Flax
 method interceptor looks at each module's parameters right after the module's method ran and
-boxes every unannotated one that a pattern of an enclosing decorated module matches in
-``nn.LogicallyPartitioned`` (innermost declaring module first). Boxing inside the method, not
-afterwards, is what lets ``nn.scan`` add its stacked axis to the names. Values are untouched,
-and outside initialization nothing runs at all.
+records, for every unannotated one that a pattern of an enclosing decorated module matches
+(innermost declaring module first), its logical names on the side: the parameter stays the plain
+array it was, so what the model's own code reads (a tied embedding's ``.T``, a child's variables
+in ``setup``) is what it reads without the library. The names go onto the parameters
+(``nn.LogicallyPartitioned``) only where no model code looks any more: when the outermost call
+of the model returns, so ``model.init`` returns them boxed; and when a Flax lifted transform
+(``nn.scan``, ``nn.vmap``, ``nn.remat``, ...) takes a body's variables out, in a private box
+that lets ``nn.scan`` and ``nn.vmap`` name their stacked axis and then comes out as the plain
+array again. Outside initialization nothing runs at all.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import flax.linen as nn
+import jax
+import numpy as np
+from flax import struct
 from flax.core import meta
+from flax.core.scope import Scope
 
 from flax_escale._frontend import (
     AxesPatterns,
@@ -41,9 +50,76 @@ _STACK_HINT = (
     "metadata_params={nn.PARTITION_NAME: 'layers'}"
 )
 
+Path = tuple[str, ...]
+Names = tuple[str | None, ...]
+
+
+class _Declared(nn.LogicallyPartitioned):
+    """Flax's logical box, on the parameters ``sharded_module`` declared names for.
+
+    What ``model.init`` returns; told apart from the model's own boxes so that ``apply`` and
+    ``bind`` of a decorated class, and a later initialization, hand the model the plain array.
+    """
+
+
+class _Carried(struct.PyTreeNode, meta.AxisMetadata[Any]):
+    """A declared parameter leaving a Flax lifted transform, with its names and path.
+
+    ``nn.scan`` and ``nn.vmap`` call ``add_axis`` on every box they take out of their body:
+    this one records the stacked names with the active annotator and gives back the plain
+    array, so the stacked parameter reaches the enclosing module unboxed. Other transforms
+    (``nn.remat``, ``nn.jit``) hand it out as it is; the annotator unboxes it at the next
+    module call of the enclosing modules.
+    """
+
+    value: Any
+    names: Names = struct.field(pytree_node=False)
+    path: Path = struct.field(pytree_node=False)
+
+    def unbox(self) -> Any:
+        """The array."""
+        return self.value
+
+    def replace_boxed(self, val: Any) -> _Carried:
+        """The same names around ``val``."""
+        return self.replace(value=val)
+
+    def add_axis(self, index: int, params: dict[Any, Any]) -> Any:
+        """Records the names with the stacked axis added; returns the plain array."""
+        if nn.PARTITION_NAME not in params:
+            where = "params/" + "/".join(self.path)
+            raise EscaleError(
+                f"parameter {where}: a Flax transform (nn.scan or nn.vmap) stacks it along axis "
+                f"{index}, and its declared logical axes {self.names} have no name for that "
+                "axis; pass metadata_params={nn.PARTITION_NAME: 'layers'} to the transform."
+            )
+        names = list(self.names)
+        names[index:index] = [None] * (index - len(names)) + [params[nn.PARTITION_NAME]]
+        _remember(self.path, tuple(names))
+        return self.value
+
+    def remove_axis(self, index: int, params: dict[Any, Any]) -> Any:
+        """Records the names without the axis a transform takes away; returns the array."""
+        del params
+        _remember(self.path, self.names[:index] + self.names[index + 1 :])
+        return self.value
+
+
+def _remember(path: Path, names: Names) -> None:
+    annotator = getattr(_state, "annotator", None)
+    if annotator is not None:
+        annotator.known[(path, len(names))] = names
+
+
+def _tree_of(scope: Scope) -> Scope:
+    # A lifted transform runs its body in a scope tree of its own, whose root has no parent.
+    while scope.parent is not None:
+        scope = scope.parent
+    return scope
+
 
 class Annotator:
-    """Boxes parameters as modules create them; records what it did, for the sharding plan.
+    """Records declared names as modules create parameters; boxes them where no model looks.
 
     Attributes:
         owners: Decorated modules seen, by path.
@@ -51,13 +127,24 @@ class Annotator:
         matched: ``(owner, pattern)`` pairs that annotated at least one parameter.
         kept: For each ``(owner, pattern)``, the parameters it matched that keep the
             annotation the model gives them.
+        known: The declared names of each parameter path, by rank (a parameter stacked by
+            ``nn.scan`` has one more dimension outside the scan than inside).
     """
 
     def __init__(self) -> None:
-        self.owners: dict[tuple[str, ...], AxesPatterns] = {}
+        self.owners: dict[Path, AxesPatterns] = {}
         self.sources: dict[str, str] = {}
         self.matched: set[tuple[str, str]] = set()
         self.kept: dict[tuple[str, str], list[str]] = {}
+        self.known: dict[tuple[Path, int], Names] = {}
+        # The scope tree of the first call seen: the model's own (or, for a decorated module
+        # met first inside a lifted transform, that transform's body).
+        self._home: Scope | None = None
+        # The module calls under way, innermost last, each with its scope tree.
+        self._calls: list[tuple[nn.Module, Scope]] = []
+        # Where _Carried boxes land once a lifted transform returns: the scope tree that
+        # called it and the path of the transformed module.
+        self._landing: list[tuple[Scope, Path]] = []
 
     def __call__(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
@@ -67,36 +154,113 @@ class Annotator:
         patterns = getattr(type(module), _PATTERNS, None)
         if patterns is not None:
             self.owners[path] = patterns
+        tree = _tree_of(module.scope)
+        if self._home is None:
+            self._home = tree
+        self._land(tree)
+        # The outermost call under way in a scope tree: before it no model code of that tree
+        # runs, and after it none runs any more.
+        outermost = all(other is not tree for _, other in self._calls)
+        if outermost:
+            self._rewrite(module.scope, (), self._unboxed)
+        self._calls.append((module, tree))
         try:
             out = next_fun(*args, **kwargs)
         except Exception:
             _refuse_axis_named_twice(module, path)
             raise
+        finally:
+            self._calls.pop()
+        self._land(tree)
         self._annotate(module, path)
+        if outermost:
+            carried = tree is not self._home
+            self._rewrite(module.scope, (), functools.partial(self._boxed, carried))
+            if carried and self._calls:
+                self._landing.append((self._calls[-1][1], path))
         return out
 
-    def _annotate(self, module: nn.Module, path: tuple[str, ...]) -> None:
+    def _annotate(self, module: nn.Module, path: Path) -> None:
         variables = module.variables
         axes_metadata = variables.get("params_axes", {})
         for name, value in variables.get("params", {}).items():
-            if isinstance(value, Mapping):
+            if isinstance(value, (Mapping, _Carried, _Declared)):
                 continue
             full = (*path, name)
+            where = "params/" + "/".join(full)
             if isinstance(value, meta.AxisMetadata) or f"{name}_axes" in axes_metadata:
                 # Annotated by the model itself: it keeps that annotation (overrides= replaces
                 # it), and a pattern that matches it is told so rather than "matched nothing".
                 owned = self._owner(full)
                 if owned is not None and (found := owned[1].match("/".join(full[owned[0] :]))):
-                    where = "params/" + "/".join(full)
                     self.kept.setdefault((owned[1].owner, found[0]), []).append(where)
                 continue
-            found = self._lookup(full, value.shape)
+            if (full, np.ndim(value)) in self.known:
+                continue
+            found = self._lookup(full, np.shape(value))
             if found is None:
                 continue
             owner, pattern, names = found
-            module.put_variable("params", name, nn.LogicallyPartitioned(value, names))
-            self.sources["params/" + "/".join(full)] = f"{owner}[{pattern!r}]"
+            self.known[(full, len(names))] = tuple(names)
+            self.sources[where] = f"{owner}[{pattern!r}]"
             self.matched.add((owner, pattern))
+
+    def _boxed(self, carried: bool, full: Path, value: Any) -> Any:
+        # Where no model code looks any more: the declared names on the parameter.
+        if isinstance(value, (_Carried, _Declared)):
+            names, array = tuple(value.names), value.value
+        elif isinstance(value, meta.AxisMetadata):
+            return value
+        else:
+            names, array = self.known.get((full, np.ndim(value))), value
+            if names is None:
+                return value
+        if carried:
+            return _Carried(array, names, full)
+        return value if isinstance(value, _Declared) else _Declared(array, names)
+
+    def _unboxed(self, full: Path, value: Any) -> Any:
+        # Before model code runs again: the plain array of a box the library put on.
+        if not isinstance(value, (_Carried, _Declared)):
+            return value
+        names = tuple(value.names)
+        self.known[(full, len(names))] = names
+        return value.value
+
+    def _land(self, tree: Scope) -> None:
+        # A lifted transform that does not stack (nn.remat, nn.jit) hands its body's boxes to
+        # the tree that called it: unboxed at that tree's next module call or return.
+        waiting = []
+        for caller, path in self._landing:
+            if caller is not tree:
+                waiting.append((caller, path))
+            elif path[: len(tree.path)] == tuple(tree.path):
+                self._rewrite(tree, path[len(tree.path) :], self._unboxed)
+        self._landing = waiting
+
+    @staticmethod
+    def _rewrite(scope: Scope, under: Path, change: Callable[[Path, Any], Any]) -> None:
+        """Replaces each parameter below ``under`` (relative to ``scope``) by ``change``'s."""
+        if not scope.is_mutable_collection("params"):
+            return
+        tree: Any = scope.variables().get("params", {})
+        for key in under:
+            tree = tree.get(key) if isinstance(tree, Mapping) else None
+            if tree is None:
+                return
+        if not isinstance(tree, Mapping):
+            return
+        new = _rebuilt(tree, (*scope.path, *under), change)
+        if new is None:
+            return
+        if under:
+            for key in reversed(under[1:]):
+                new = {key: new}
+            scope.put_variable("params", under[0], new)
+            return
+        for name, value in new.items():
+            if value is not tree[name]:
+                scope.put_variable("params", name, value)
 
     def _lookup(
         self, full: tuple[str, ...], shape: tuple[int, ...]
@@ -146,6 +310,22 @@ class Annotator:
         return shown + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
 
 
+def _rebuilt(
+    tree: Mapping[str, Any], base: Path, change: Callable[[Path, Any], Any]
+) -> dict[str, Any] | None:
+    # A copy of the nested parameters with change applied to each leaf; None if none changed.
+    # Subtrees without a change stay the same objects.
+    new, changed = {}, False
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            sub = _rebuilt(value, (*base, name), change)
+            new[name] = value if sub is None else sub
+        else:
+            new[name] = change((*base, name), value)
+        changed = changed or new[name] is not value
+    return new if changed else None
+
+
 def _refuse_axis_named_twice(module: nn.Module, path: tuple[str, ...]) -> None:
     # nn.with_partitioning(init, ("fsdp", "fsdp")) fails inside Flax, when the new parameter is
     # unboxed, with JAX's DuplicateSpecError, which names neither the parameter nor a fix. The
@@ -167,10 +347,12 @@ def _refuse_axis_named_twice(module: nn.Module, path: tuple[str, ...]) -> None:
 
 @contextlib.contextmanager
 def annotating() -> Iterator[Annotator]:
-    """Annotates parameters of decorated modules created inside; yields the annotator.
+    """Declares the names of decorated modules' parameters created inside; yields the annotator.
 
-    Re-entrant: inside an active one, yields that one. ``init_sharded`` enters it so that the
-    plan can report where every annotation came from and which patterns matched nothing.
+    The names are kept beside the parameters and put on them when the outermost module call
+    inside returns. Re-entrant: inside an active one, yields that one. ``init_sharded`` enters
+    it so that the plan can report where every annotation came from and which patterns matched
+    nothing.
     """
     active = getattr(_state, "annotator", None)
     if active is not None:
@@ -197,6 +379,29 @@ def _annotating_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _given_plain(method: Callable[..., Any]) -> Callable[..., Any]:
+    # Module.apply / Module.bind, whose variables may be what model.init returned: the boxes
+    # the declaration put on are taken off, so the model reads what it reads undecorated (the
+    # model's own boxes stay, as Flax hands them).
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if "variables" in kwargs:
+            kwargs["variables"] = _without_declared(kwargs["variables"])
+        elif args:
+            args = (_without_declared(args[0]), *args[1:])
+        return method(self, *args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+def _without_declared(variables: Any) -> Any:
+    def declared(x: Any) -> bool:
+        return isinstance(x, _Declared)
+
+    return jax.tree.map(lambda x: x.value if declared(x) else x, variables, is_leaf=declared)
+
+
 def _initializing(module: nn.Module) -> bool:
     return module.scope is not None and module.is_initializing()
 
@@ -211,6 +416,10 @@ def _install(cls: type[nn.Module], patterns: Mapping[str, Sequence[str | None]] 
         method = getattr(cls, name, None)
         if getattr(method, "method_handler_wrapped", False) and not hasattr(method, _WRAPPED):
             setattr(cls, name, _annotating_method(method))
+    for name in ("apply", "bind"):
+        method = getattr(cls, name)
+        if not hasattr(method, _WRAPPED):
+            setattr(cls, name, _given_plain(method))
 
 
 class ShardedMixin(DeclaringMixin):
@@ -246,13 +455,21 @@ def sharded_module(
 ) -> Any:
     """:func:`flax_escale.sharded_module` for Linen modules, where the declaration is described.
 
-    Linen specifics: during ``model.init`` matched parameters are boxed in
-    ``nn.LogicallyPartitioned`` right after each module method returns, so everything that
-    understands Flax's logical partitioning understands them; at any other time nothing runs,
-    so the module works with no mesh. Parameters Flax already annotates
-    (``nn.with_logical_partitioning``, ``nn.with_partitioning``, ``param_with_axes``) keep their
-    annotation. Inside ``nn.scan`` give ``metadata_params={nn.PARTITION_NAME: "layers"}``: the
-    stacked axis is named ``layers``, unsharded by the default rules.
+    Linen specifics: the model's own code never sees the declaration: during ``model.init``
+    every parameter it reads (``self.variables``, a child's variables, ``self.param``) is the
+    plain array, as without the decorator. ``model.init`` returns the matched parameters boxed
+    in ``nn.LogicallyPartitioned``, so everything that understands Flax's logical partitioning
+    understands them; at any other time nothing runs, so the module works with no mesh. The
+    boxes go on when the outermost decorated call returns: an undecorated module that calls a
+    decorated one during ``model.init`` and then reads that one's variables sees them boxed
+    (decorate the outer module too, with no patterns if it needs none), and a module that
+    reads the variables of a child it ran through ``nn.remat`` or ``nn.jit`` sees them plain
+    from its next module call on. ``apply`` and ``bind`` of a decorated class take what
+    ``model.init`` returned and hand the model plain arrays too. Parameters Flax
+    already annotates (``nn.with_logical_partitioning``, ``nn.with_partitioning``,
+    ``param_with_axes``) keep their annotation. Inside ``nn.scan`` or ``nn.vmap`` give
+    ``metadata_params={nn.PARTITION_NAME: "layers"}``: the stacked axis is named ``layers``,
+    unsharded by the default rules.
 
     Use it as ``@sharded_module({...})``, ``@sharded_module(patterns={...})``, or bare on a
     :class:`ShardedMixin`-style class that sets a ``patterns`` class attribute.
@@ -266,6 +483,9 @@ def sharded_module(
 
     Raises:
         EscaleTypeError: If the class is not a Linen module or the mapping is malformed.
+        EscaleError: During ``model.init``, if a pattern's logical axes do not name every
+            dimension of a parameter it matches, or ``nn.scan`` / ``nn.vmap`` stacks a matched
+            parameter with no ``metadata_params`` naming the new axis.
 
     Example:
         >>> import flax.linen as nn

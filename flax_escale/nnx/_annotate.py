@@ -3,10 +3,12 @@
 After a decorated class's ``__init__`` runs, every variable of the module (its own and those of
 Flax layers it holds) that no inner decorated module annotated, and that Flax's own
 ``out_sharding`` metadata does not annotate, is matched against the class's patterns; a match
-sets the variable's ``logical_axes`` metadata. Nothing else changes: no ``out_sharding`` is set,
-so Flax's eager sharding never runs on these names, and the module builds and runs with no mesh
-whatever Flax's eager-sharding setting is. ``init_sharded`` resolves the names and then writes
-the resolved mesh specs into ``out_sharding``.
+sets the variable's ``logical_axes`` metadata. Nothing else changes: the values the model's own
+code reads (``self.wte.embedding[...]``, in ``__init__`` or ``__call__``) are the arrays it
+reads undecorated, and no ``out_sharding`` is set, so Flax's eager sharding never runs on these
+names and the module builds and runs with no mesh whatever Flax's eager-sharding setting is.
+``init_sharded`` resolves the names and then writes the resolved mesh specs into
+``out_sharding``.
 """
 
 from __future__ import annotations
