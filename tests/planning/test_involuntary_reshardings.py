@@ -15,6 +15,7 @@ has six on XLA:CPU unless its parameters are gathered where they are read
 
 import importlib.util
 
+import jax
 import pytest
 from support import EXAMPLES, ROOT
 from support.reshardings import step_reshardings
@@ -73,7 +74,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(("factory", "target"), list(CASES))
+# jaxlib 0.11's XLA:CPU, on 5 of Gemma's 16 Explicit meshes (those with dp or sp besides
+# fsdp): an HLO parameter of f32[4,16,64] per device, split over fsdp, is replicated to be split
+# again ("parameter" and "copy" reports). Seen with 0.11.2; not with 0.10.2 nor on the TPU
+# compiler; not yet traced to a constraint the library could give.
+_XLA_CPU_011_GEMMA = pytest.mark.xfail(
+    jax.__version_info__ >= (0, 11),
+    reason="jaxlib 0.11 XLA:CPU replicates an array of Gemma's on 5 Explicit meshes",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("factory", "target"),
+    [
+        pytest.param(*case, marks=_XLA_CPU_011_GEMMA) if case == ("gemma", "cpu") else case
+        for case in CASES
+    ],
+)
 def test_no_candidate_mesh_of_a_real_model_replicates_an_array(factory, target):
     _needs(target)
     found = step_reshardings(
