@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -16,7 +16,7 @@ from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve._fit import fit_spec
 
-__all__ = ["LayoutFigures", "measure_layout"]
+__all__ = ["LayoutFigures", "device_blocks", "measure_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,16 +150,51 @@ def _elements_per_device(
                 "spec the array would have: one entry per dimension, axes of this mesh, each "
                 "axis at most once."
             )
+    for device_id, block in device_blocks(shape, spec, mesh):
+        yield device_id, math.prod(stop - start for start, stop in block)
+
+
+def device_blocks(
+    shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+) -> Iterator[tuple[int, tuple[tuple[int, int], ...]]]:
+    """Which block of an array of ``shape`` each device of ``mesh`` holds under ``spec``.
+
+    The one place that places blocks: per dimension, the mesh axes of its entry number the
+    blocks (the first axis major), each ``ceil(size / split)`` long, as XLA lays them out; a
+    spec that does not divide its dimension leaves the last blocks short or empty (padding).
+    The spec must exist on the mesh (axes it has, each at most once).
+
+    Args:
+        shape: The array shape.
+        spec: Its spec (shorter than the rank: the other dimensions are whole).
+        mesh: The mesh (concrete, or abstract with ``devices`` of the same shape).
+
+    Yields:
+        ``(device id, ((start, stop) per dimension))``, devices in mesh order.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale.sharding._measure import device_blocks
+        >>> mesh = create_mesh((1, 4, 1, 2, 1))
+        >>> list(device_blocks((10, 3), PartitionSpec("fsdp"), mesh))[:3]
+        [(0, ((0, 3), (0, 3))), (1, ((0, 3), (0, 3))), (2, ((3, 6), (0, 3)))]
+    """
     entries = (list(spec) + [None] * len(shape))[: len(shape)]
     names = list(mesh.axis_names)
+    sizes = mesh.shape
+    # Per dimension: its size, block length, and the mesh positions of its axes with sizes.
+    dims = []
+    for size, entry in zip(shape, entries, strict=True):
+        axes = mesh_axes_of(entry)
+        parts = math.prod(sizes[a] for a in axes)
+        dims.append((size, -(-size // parts), [(names.index(a), sizes[a]) for a in axes]))
     for coords in np.ndindex(*mesh.devices.shape):
-        elements = 1
-        for size, entry in zip(shape, entries, strict=True):
-            axes = mesh_axes_of(entry)
-            parts = math.prod(mesh.shape[a] for a in axes)
+        block = []
+        for size, length, axes in dims:
             index = 0
-            for axis in axes:
-                index = index * mesh.shape[axis] + coords[names.index(axis)]
-            block = -(-size // parts)
-            elements *= min(max(size - index * block, 0), block)
-        yield int(mesh.devices[coords].id), elements
+            for position, axis_size in axes:
+                index = index * axis_size + coords[position]
+            start = min(index * length, size)
+            block.append((start, min(start + length, size)))
+        yield int(mesh.devices[coords].id), tuple(block)
