@@ -15,7 +15,16 @@ multi-host data and the errors. The rest is organized by layer and by audience:
   functions, the launcher, ...).
 """
 
-from flax_escale import eformer, linen, moe, nnx, plan, planning, t5x  # noqa: F401 (the namespaces)
+from flax_escale import (  # noqa: F401 (the namespaces)
+    eformer,
+    linen,
+    moe,
+    nnx,
+    plan,
+    planning,
+    t5x,
+    testing,
+)
 from flax_escale._frontend._entry import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import (

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from flax_escale.errors import EscaleTypeError
 
-__all__ = ["MeshAxes", "mesh_axes_of", "without_unit_explicit_axes"]
+__all__ = ["MeshAxes", "mesh_axes_of", "mesh_text", "without_unit_explicit_axes"]
 
 MeshAxes: TypeAlias = str | tuple[str, ...] | None
 """Where one array dimension goes: a mesh axis, several (sharded over their product), or none."""
@@ -55,6 +55,17 @@ def mesh_axes_of(entry: Any, *, argument: str = "a PartitionSpec entry") -> tupl
         f"{argument} must be None, a mesh axis name, or a tuple or list of mesh axis names; "
         f"got {type(entry).__name__} {entry!r}."
     )
+
+
+def mesh_text(sizes: Any) -> str:
+    """A mesh shape (``mesh.shape`` or an ``{axis: size}`` dict) as ``dp=1, fsdp=4, ...``.
+
+    Example:
+        >>> from flax_escale._specs import mesh_text
+        >>> mesh_text({"fsdp": 4, "tp": 2})
+        'fsdp=4, tp=2'
+    """
+    return ", ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
 def without_unit_explicit_axes(spec: PartitionSpec, mesh: Any) -> PartitionSpec:

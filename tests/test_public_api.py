@@ -123,6 +123,8 @@ EXPECTED = {
         "IDLE_AXES_MIN_BYTES",
         "USE_IDLE_AXES",
         "Annotation",
+        "ArrayChange",
+        "PlanDiff",
         "PlanEntry",
         "ShardingPlan",
         "annotated_leaves",
@@ -157,6 +159,7 @@ EXPECTED = {
         "moe_mlp",
         "route_top_k",
     ],
+    "flax_escale.testing": ["UPDATE_SNAPSHOTS", "PlanMismatchError", "assert_plan_matches"],
     "flax_escale.tools": [
         "MemoryEstimate",
         "Resharding",
@@ -361,7 +364,7 @@ MOVED = [
     *(
         f"flax_escale.sharding.{name} -> flax_escale.plan.{name}"
         for name in EXPECTED["flax_escale.plan"]
-        if name != "USE_IDLE_AXES"
+        if name not in ("USE_IDLE_AXES", "ArrayChange", "PlanDiff")
     ),
     *(
         f"flax_escale.frontend.{name} -> flax_escale._frontend.{name}"

@@ -49,7 +49,10 @@ def apply_overrides(
             found = patterns.match_array(path, leaf.shape, shown_path=path, stack_hint=_STACK_HINT)
         if found is not None:
             used.add(found[0])
-            annotation = Annotation(logical_axes=found[1], source=f"overrides[{found[0]!r}]")
+            source = f"overrides[{found[0]!r}]"
+            if annotation is not None:
+                source += f" (replacing {annotation.axes} from {annotation.source})"
+            annotation = Annotation(logical_axes=found[1], source=source)
         replaced.append((path, leaf, annotation))
     paths = ", ".join(path for path, _, _ in items[:6]) + (", ..." if len(items) > 6 else "")
     notes = [

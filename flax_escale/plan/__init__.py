@@ -7,6 +7,7 @@ Placing arrays by these shardings at run time is :mod:`flax_escale.sharding`'s.
 """
 
 from flax_escale.plan._annotation import Annotation, read_annotation
+from flax_escale.plan._diff import ArrayChange, PlanDiff
 from flax_escale.plan._leaves import annotated_leaves, arrays_only
 from flax_escale.plan._optimizer import init_opt_state, opt_state_shardings
 from flax_escale.plan._plan import (
@@ -22,6 +23,8 @@ __all__ = [
     "IDLE_AXES_MIN_BYTES",
     "USE_IDLE_AXES",
     "Annotation",
+    "ArrayChange",
+    "PlanDiff",
     "PlanEntry",
     "ShardingPlan",
     "annotated_leaves",

@@ -8,19 +8,23 @@ every correction, every unannotated array and every note for inspection and repo
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of
+from flax_escale._specs import mesh_axes_of, mesh_text
 from flax_escale.axes import LogicalRules
+from flax_escale.errors import EscaleTypeError
 from flax_escale.plan._annotation import Annotation
 from flax_escale.plan._collector import collector_paused
+from flax_escale.plan._diff import PlanDiff, diff_plans
+from flax_escale.plan._explain import explain_entry
 from flax_escale.plan._resolving import (
     IDLE_AXES_MIN_BYTES,
     array_dtype,
@@ -28,6 +32,7 @@ from flax_escale.plan._resolving import (
     resolve_items,
     sharding_tree,
 )
+from flax_escale.plan._serialize import plan_from_json, plan_to_json
 from flax_escale.resolve import (
     Completion,
     Resolution,
@@ -93,12 +98,14 @@ class ShardingPlan:
         entries: One entry per array, in tree-flattening order.
         treedef: The structure of the (unboxed) variables.
         notes: Things worth knowing that concern no single array (an unused pattern).
+        rules: The logical-axis rules the plan was resolved with (``None``: not recorded).
     """
 
     mesh: Mesh
     entries: tuple[PlanEntry, ...]
     treedef: Any
     notes: tuple[str, ...] = ()
+    rules: LogicalRules | None = None
 
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
@@ -110,7 +117,146 @@ class ShardingPlan:
         for entry in self.entries:
             if entry.path == path:
                 return entry
-        raise KeyError(f"no array at path {path!r}; the plan has {[e.path for e in self]}")
+        paths = [e.path for e in self]
+        if len(paths) > 8:
+            close = difflib.get_close_matches(path, paths, n=5, cutoff=0.5)
+            raise KeyError(
+                f"no array at path {path!r}; close paths: {close} (the plan has {len(paths)} "
+                "arrays: [e.path for e in plan] lists them)"
+            )
+        raise KeyError(f"no array at path {path!r}; the plan has {paths}")
+
+    def diff(self, other: ShardingPlan) -> PlanDiff:
+        """The arrays whose layout differs between this plan and ``other``.
+
+        For two meshes, two rule sets or two versions of a model: arrays matched by path
+        differ by shape, dtype, logical axes, spec, bytes per device or corrections, or are
+        in one plan only.
+
+        Args:
+            other: The plan to compare with (the "after" side).
+
+        Returns:
+            A :class:`~flax_escale.plan.PlanDiff`: falsy when nothing differs; ``describe()``
+            and ``table()`` show it.
+
+        Raises:
+            EscaleTypeError: If ``other`` is not a ``ShardingPlan``.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import flax_escale as fe
+            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
+            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+            >>> x = jnp.ones((2, 8))
+            >>> a = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, x)
+            >>> b = fe.plan_sharding(model, fe.create_mesh((1, 8, 1, 1, 1)), 0, x)
+            >>> print(a.diff(b).describe())  # doctest: +NORMALIZE_WHITESPACE
+            1 array(s) differ, 1 the same (mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1) -> (dp=1,
+            fsdp=8, ep=1, tp=1, sp=1)); bytes per device +0
+            path           what   spec before             spec after              before  after
+              notes
+            params/kernel  spec   P(('fsdp', 'sp'), 'tp')  P(('fsdp', 'sp'), None)  24 B  24 B
+        """
+        if not isinstance(other, ShardingPlan):
+            raise EscaleTypeError(
+                f"ShardingPlan.diff: other must be a ShardingPlan, got {check.describe(other)}; "
+                "pass another plan (plan_sharding, or ShardingPlan.from_json)."
+            )
+        return diff_plans(self, other)
+
+    def to_json(self) -> str:
+        """The plan as JSON text, for a snapshot that pins the layout (see ``from_json``).
+
+        Every array's path, shape, dtype, annotation, spec, corrections and completions, the
+        mesh shape, the rules and the notes; one array per line, so a changed snapshot's diff
+        shows which arrays changed. :func:`flax_escale.testing.assert_plan_matches` keeps
+        such a snapshot and compares later plans with it.
+
+        Raises:
+            EscaleError: If a spec holds an entry JSON cannot keep.
+        """
+        return plan_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str, mesh: Mesh | AbstractMesh | None = None) -> ShardingPlan:
+        """The plan :meth:`to_json` wrote.
+
+        The arrays are keyed by path (``specs()`` gives ``{path: spec}``); everything else
+        round-trips. ``explain``, ``diff`` and reports work on it as on the plan it came from.
+
+        Args:
+            text: What ``to_json`` returned.
+            mesh: A mesh of the recorded axes and sizes, for shardings on real devices;
+                ``None`` gives an abstract mesh of that shape (devices numbered in mesh order).
+
+        Returns:
+            The plan.
+
+        Raises:
+            EscaleTypeError: If ``text`` is not a string.
+            EscaleError: If it is not a plan's JSON of this format, or ``mesh`` has another
+                shape.
+
+        Example:
+            >>> import flax.linen as nn
+            >>> import flax_escale as fe
+            >>> import jax.numpy as jnp
+            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
+            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+            >>> plan = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, jnp.ones((2, 8)))
+            >>> loaded = fe.ShardingPlan.from_json(plan.to_json())
+            >>> loaded["params/kernel"].spec, bool(loaded.diff(plan))
+            (P(('fsdp', 'sp'), 'tp'), False)
+        """
+        return plan_from_json(text, mesh)
+
+    def explain(self, path: str) -> str:
+        """Why the array at ``path`` has its spec, step by step.
+
+        Names the annotation and where it came from (the model's own box, a
+        ``sharded_module`` pattern, ``overrides=``), each rule for its logical names in the
+        order they were tried and what happened to it (applied; passed over because its mesh
+        axes do not divide the size, are already used by another dimension, or have size 1;
+        applied but absent from the mesh), the corrections and idle axes put to use, the
+        spec, and the bytes per device against the ideal share.
+
+        Args:
+            path: The array's path, as :attr:`PlanEntry.path` spells it.
+
+        Returns:
+            Lines of text.
+
+        Raises:
+            KeyError: If the plan has no array at ``path`` (the message lists close paths).
+
+        Example:
+            >>> import flax.linen as nn
+            >>> import jax
+            >>> import jax.numpy as jnp
+            >>> import flax_escale as fe
+            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
+            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
+            >>> mesh = fe.create_mesh((1, 4, 1, 2, 1))
+            >>> plan = fe.plan_sharding(model, mesh, jax.random.key(0), jnp.ones((2, 8)))
+            >>> print(plan.explain("params/kernel"))  # doctest: +NORMALIZE_WHITESPACE
+            params/kernel: float32[8, 6] on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)
+              annotation: logical axes ('hidden_state', 'mlp_intermediate'), from
+                nn.with_logical_partitioning
+              rules for these names, in order:
+                rules[3] ('mlp_intermediate', 'tp') on dim 1: applied
+                rules[9] ('hidden_state', 'tp') on dim 0: passed over: its mesh axes ('tp',)
+                  already split dim 1
+                rules[17] ('hidden_state', ('fsdp', 'sp')) on dim 0: applied
+                rules[21] ('mlp_intermediate', ('fsdp', 'sp')) on dim 1: passed over: an
+                  earlier rule already set this dimension
+              the rules give P(('fsdp', 'sp'), 'tp')
+              spec: P(('fsdp', 'sp'), 'tp')
+              bytes per device: 24 B of 192 B (1.00x the ideal share, 24 B)
+        """
+        return explain_entry(self, self[path])
 
     def specs(self) -> Any:
         """The ``PartitionSpec`` of every array, as a tree shaped like the variables."""
@@ -170,7 +316,7 @@ class ShardingPlan:
             "  ".join([*(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)), row[4]])
             for row in rows
         ]
-        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        mesh = mesh_text(self.mesh.shape)
         footer = (
             f"{len(self.entries)} arrays on mesh ({mesh}): {format_bytes(self.nbytes)} in all, "
             f"{format_bytes(self.nbytes_per_device)} per device; "
@@ -259,4 +405,4 @@ def plan_checked(
             PlanEntry(path, array_shape(leaf), array_dtype(leaf), annotation, resolution)
             for (path, leaf, annotation), resolution in zip(items, resolutions, strict=True)
         )
-    return ShardingPlan(mesh, entries, treedef, notes)
+    return ShardingPlan(mesh, entries, treedef, notes, frozen)

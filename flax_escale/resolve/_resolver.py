@@ -22,7 +22,7 @@ from flax_escale.axes import LogicalRules
 from flax_escale.resolve._fit import Correction, fit_spec
 from flax_escale.resolve._resolution import PassedOver, Resolution
 
-__all__ = ["Resolver", "resolver"]
+__all__ = ["Resolver", "RuleStep", "resolver"]
 
 _FREE = object()
 
@@ -98,6 +98,20 @@ class Resolver:
                 self._memo.clear()
             self._memo[key] = found
         return found
+
+    def trace(self, names: tuple[Any, ...], shape: tuple[int, ...] | None) -> tuple[RuleStep, ...]:
+        """What each rule that could apply did to checked ``names`` of ``shape``, in order.
+
+        The same placement :meth:`resolve` makes, recorded step by step (for explanations):
+        call it for names that resolve (:meth:`resolve` gives no message for them).
+        """
+        matched = self._candidates_of(names)
+        if isinstance(matched, str):
+            return ()
+        padded = (*names, *(None,) * max(0, len(shape or ()) - len(names)))
+        steps: list[RuleStep] = []
+        _place(matched, padded, shape, steps)
+        return tuple(steps)
 
     def _resolve_like(
         self, names: tuple[Any, ...] | None, shape: tuple[int, ...] | None
@@ -182,24 +196,7 @@ class Resolver:
         padded = 0 if shape is None else len(shape) - len(names)
         if padded:
             names = (*names, *(None,) * padded)
-        result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
-        used: set[str] = set()
-        passed: list[PassedOver] = []
-        # fit_spec keeps what the rules give when every target they place is valid on the mesh
-        # and no entry passes through: it need not run then.
-        fit = matched.through
-        for (_, target, axes, size, valid, trivial), dim in matched.rules:
-            if result[dim] is not _FREE or not used.isdisjoint(axes):
-                continue
-            if size is not None and shape is not None and shape[dim] % size:
-                passed.append(PassedOver(dim, names[dim], axes, shape[dim]))
-                continue
-            if trivial:
-                # Axes of total size 1 split nothing: leave the dimension to a later rule.
-                continue
-            result[dim] = target
-            used.update(axes)
-            fit = fit or not valid
+        result, passed, fit = _place(matched, names, shape)
         rules_spec = self._spec(tuple(None if r is _FREE else r for r in result))
         spec, corrections = rules_spec, ()
         mesh = self._mesh
@@ -253,3 +250,66 @@ def _unplaced(
         )
         for dim, group in sorted(found.items())
     )
+
+
+class RuleStep(NamedTuple):
+    """What one rule did to one dimension while an array's logical axes were resolved.
+
+    Attributes:
+        rule: The rule's index in the rules it was taken from.
+        dim: The dimension its logical name names.
+        outcome: ``"applied"``, ``"filled"`` (an earlier rule already set the dimension),
+            ``"used"`` (one of its mesh axes already splits another dimension),
+            ``"indivisible"`` (its mesh axes do not divide the size: passed over),
+            ``"trivial"`` (its mesh axes have size 1 and a later rule for the name exists) or
+            ``"absent"`` (applied, but names an axis the mesh lacks: the spec drops it).
+        by: For ``"filled"`` and ``"used"``: the dimension that took the place or axes.
+    """
+
+    rule: int
+    dim: int
+    outcome: str
+    by: int | None = None
+
+
+def _place(
+    matched: _Candidates,
+    names: tuple[Any, ...],
+    shape: tuple[int, ...] | None,
+    steps: list[RuleStep] | None = None,
+) -> tuple[list[Any], list[PassedOver], bool]:
+    # Flax's priority semantics: the rules in order, each filling a dimension still free with
+    # mesh axes no dimension uses yet. Returns each dimension's entry (_FREE where no rule
+    # applied), the rules passed over, and whether fit_spec must run; `steps`, when given,
+    # records what each candidate rule did (for explanations; resolving records nothing).
+    result: list[Any] = [_FREE if isinstance(n, str) else n for n in names]
+    used: dict[str, int] = {}
+    passed: list[PassedOver] = []
+    # fit_spec keeps what the rules give when every target they place is valid on the mesh
+    # and no entry passes through: it need not run then.
+    fit = matched.through
+    for (index, target, axes, size, valid, trivial), dim in matched.rules:
+        if result[dim] is not _FREE or not used.keys().isdisjoint(axes):
+            if steps is not None:
+                if result[dim] is not _FREE:
+                    steps.append(RuleStep(index, dim, "filled"))
+                else:
+                    taken = next(used[a] for a in axes if a in used)
+                    steps.append(RuleStep(index, dim, "used", taken))
+            continue
+        if size is not None and shape is not None and shape[dim] % size:
+            passed.append(PassedOver(dim, names[dim], axes, shape[dim]))
+            if steps is not None:
+                steps.append(RuleStep(index, dim, "indivisible"))
+            continue
+        if trivial:
+            # Axes of total size 1 split nothing: leave the dimension to a later rule.
+            if steps is not None:
+                steps.append(RuleStep(index, dim, "trivial"))
+            continue
+        result[dim] = target
+        used.update((a, dim) for a in axes)
+        fit = fit or not valid
+        if steps is not None:
+            steps.append(RuleStep(index, dim, "applied" if size is not None else "absent"))
+    return result, passed, fit

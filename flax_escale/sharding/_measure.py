@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale._checks import describe
 from flax_escale._specs import mesh_axes_of
@@ -16,7 +16,7 @@ from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve._fit import fit_spec
 
-__all__ = ["LayoutFigures", "device_blocks", "measure_layout"]
+__all__ = ["LayoutFigures", "device_blocks", "device_ids", "measure_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def measure_layout(
                 f"partition_specs must hold a PartitionSpec (or None) per array, got "
                 f"{describe(spec)}; pass e.g. PartitionSpec('fsdp', 'tp')."
             )
-    per_device = {device.id: 0 for device in mesh.devices.flat}
+    per_device = dict.fromkeys(device_ids(mesh).flat, 0)
     stats: dict[str, dict[str, int]] = {}
     total = sharded = total_bytes = 0
     for (path, value, _), spec in zip(flat, specs, strict=True):
@@ -167,7 +167,8 @@ def device_blocks(
     Args:
         shape: The array shape.
         spec: Its spec (shorter than the rank: the other dimensions are whole).
-        mesh: The mesh (concrete, or abstract with ``devices`` of the same shape).
+        mesh: The mesh; an abstract mesh (a plan read from JSON) numbers its devices in mesh
+            order.
 
     Yields:
         ``(device id, ((start, stop) per dimension))``, devices in mesh order.
@@ -189,7 +190,8 @@ def device_blocks(
         axes = mesh_axes_of(entry)
         parts = math.prod(sizes[a] for a in axes)
         dims.append((size, -(-size // parts), [(names.index(a), sizes[a]) for a in axes]))
-    for coords in np.ndindex(*mesh.devices.shape):
+    ids = device_ids(mesh)
+    for coords in np.ndindex(*ids.shape):
         block = []
         for size, length, axes in dims:
             index = 0
@@ -197,4 +199,11 @@ def device_blocks(
                 index = index * axis_size + coords[position]
             start = min(index * length, size)
             block.append((start, min(start + length, size)))
-        yield int(mesh.devices[coords].id), tuple(block)
+        yield int(ids[coords]), tuple(block)
+
+
+def device_ids(mesh: Mesh | AbstractMesh) -> np.ndarray:
+    """The id of each device of ``mesh``, shaped like the mesh (an abstract mesh's: 0, 1, ...)."""
+    if isinstance(mesh, AbstractMesh):
+        return np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+    return np.vectorize(lambda device: device.id, otypes=[int])(mesh.devices)

@@ -40,7 +40,9 @@ def test_overrides_replace_the_models_own_annotation_and_fill_unannotated_ones()
     }
     plan = fe.plan_sharding(ThirdParty(), _mesh(), KEY, X, overrides=overrides, strict=True)
     assert plan["params/Dense_0/kernel"].spec == P("tp", ("fsdp", "sp"))
-    assert plan["params/Dense_0/kernel"].annotation.source == "overrides['Dense_0/kernel']"
+    assert plan["params/Dense_0/kernel"].annotation.source == (
+        "overrides['Dense_0/kernel'] (replacing ('embed', 'mlp') from nn.with_logical_partitioning)"
+    )
     assert plan["params/out/kernel"].spec == P("tp", ("fsdp", "sp"))
     assert plan["params/out/bias"].annotation is None
     variables = fe.init_sharded(ThirdParty(), _mesh(), KEY, X, overrides=overrides, strict=True)

@@ -1,0 +1,140 @@
+"""Why an array of a plan got its spec: the annotation, each rule tried, and what changed.
+
+The explanation replays the resolver's own placement (:meth:`Resolver.trace`), so it cannot
+disagree with the spec the plan holds: the same rules, in the same order, on the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale.axes import LogicalRules
+from flax_escale.plan._annotation import Annotation
+from flax_escale.resolve._resolver import RuleStep, resolver
+
+if TYPE_CHECKING:
+    from flax_escale.plan._plan import PlanEntry, ShardingPlan
+
+__all__ = ["explain_entry", "source_of"]
+
+
+def explain_entry(plan: ShardingPlan, entry: PlanEntry) -> str:
+    """The explanation of ``entry``'s spec in ``plan``, as lines of text (see ``explain``)."""
+    from flax_escale.plan._plan import format_bytes  # (the plan module imports this one)
+
+    mesh = plan.mesh
+    sizes = dict(mesh.shape)
+    resolution = entry.resolution
+    annotation = entry.annotation
+    shape = ", ".join(map(str, entry.shape))
+    lines = [f"{entry.path}: {entry.dtype}[{shape}] on mesh ({mesh_text(sizes)})"]
+    lines.append(f"  annotation: {source_of(annotation)}")
+    if annotation is not None and annotation.follows is not None:
+        param, kept = annotation.follows
+        lines.append(
+            f"  optimizer state of {param!r}: keeps its dimensions {list(kept)} and their mesh "
+            "axes (the parameter's explanation says why it has them)"
+        )
+    elif annotation is not None and annotation.logical_axes is not None:
+        lines += _rule_lines(plan, entry, annotation, sizes)
+    elif annotation is not None:
+        lines.append("  mesh axes given directly: no rules apply")
+    padded = resolution.padded
+    if padded:
+        lines.append(
+            f"  the last {padded} dimension(s) have no logical name (Flax's short form): unsharded"
+        )
+    for correction in resolution.corrections:
+        lines.append(
+            f"  corrected dim {correction.dim}: {correction.detail}, dropped {correction.mesh_axes}"
+        )
+    for completion in resolution.completed:
+        lines.append(f"  completed: {completion.detail}")
+    lines.append(f"  spec: {entry.spec}")
+    per_device = entry.nbytes_per_device(mesh)
+    ideal = entry.nbytes / math.prod(sizes.values())
+    ratio = per_device / ideal if ideal else 1.0
+    lines.append(
+        f"  bytes per device: {format_bytes(per_device)} of {format_bytes(entry.nbytes)} "
+        f"({ratio:.2f}x the ideal share, {format_bytes(ideal)})"
+    )
+    return "\n".join(lines)
+
+
+def source_of(annotation: Annotation | None) -> str:
+    """Where an annotation came from, as one phrase (``None``: no annotation).
+
+    Example:
+        >>> from flax_escale.plan import Annotation
+        >>> from flax_escale.plan._explain import source_of
+        >>> source_of(Annotation(("embed", "mlp"), source="sharded_module['kernel']"))
+        "logical axes ('embed', 'mlp'), from sharded_module['kernel']"
+        >>> source_of(None)
+        'none (replicated)'
+    """
+    if annotation is None:
+        return "none (replicated)"
+    if annotation.logical_axes is not None:
+        given = f"logical axes {annotation.logical_axes}"
+    else:
+        given = f"mesh axes {annotation.mesh_axes}"
+    return f"{given}, from {annotation.source or 'the model'}"
+
+
+def _rule_lines(
+    plan: ShardingPlan, entry: PlanEntry, annotation: Annotation, sizes: dict[str, int]
+) -> list[str]:
+    if plan.rules is None:
+        return ["  (the rules this plan was made with were not recorded: no rule trace)"]
+    mesh = plan.mesh
+    rules = annotation.rules_with(plan.rules, tuple(mesh.axis_names))
+    names = annotation.logical_axes or ()
+    steps = resolver(rules, tuple(sizes.items())).trace(names, entry.shape)
+    origin = _Origin(plan.rules, annotation)
+    lines = ["  rules for these names, in order:"] if steps else []
+    for step in steps:
+        name, target = rules[step.rule]
+        lines.append(
+            f"    {origin(step.rule)} ({name!r}, {target!r}) on dim {step.dim}: "
+            + _outcome(step, target, entry.shape, sizes)
+        )
+    for name in entry.resolution.unknown_names:
+        lines.append(f"    no rule names {name!r}: its dimension stays unsharded")
+    lines.append(f"  the rules give {entry.resolution.rules_spec}")
+    return lines
+
+
+def _outcome(step: RuleStep, target: Any, shape: tuple[int, ...], sizes: dict[str, int]) -> str:
+    axes = mesh_axes_of(target)
+    if step.outcome == "applied":
+        return "applied"
+    if step.outcome == "filled":
+        return "passed over: an earlier rule already set this dimension"
+    if step.outcome == "used":
+        return f"passed over: its mesh axes {axes} already split dim {step.by}"
+    if step.outcome == "indivisible":
+        split = math.prod(sizes[a] for a in axes)
+        return f"passed over: size {shape[step.dim]} is not divisible by {axes} ({split})"
+    if step.outcome == "trivial":
+        return "passed over: its mesh axes have size 1, a later rule for the name may split"
+    missing = [a for a in axes if a not in sizes]
+    return f"applied, but the mesh has no axis {missing}: dropped below"
+
+
+class _Origin:
+    """Names a rule by where it sits: the plan's rules, the box's own, or the variable's."""
+
+    def __init__(self, plan_rules: LogicalRules, annotation: Annotation) -> None:
+        self._local = len(annotation.local_rules)
+        own = plan_rules if annotation.rules is None else annotation.rules
+        self._own_end = self._local + len(own)
+        self._own_label = "rules" if annotation.rules is None else "the box's rules"
+
+    def __call__(self, index: int) -> str:
+        if index < self._local:
+            return f"sharding_rules[{index}]"
+        if index < self._own_end:
+            return f"{self._own_label}[{index - self._local}]"
+        return "mesh axis name"
