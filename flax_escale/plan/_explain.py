@@ -93,7 +93,7 @@ def _rule_lines(
     names = annotation.logical_axes or ()
     steps = resolver(rules, tuple(sizes.items())).trace(names, entry.shape)
     origin = _Origin(plan.rules, annotation)
-    lines = ["  rules for these names, in order:"] if steps else []
+    lines = ["  rules for these names, in order:"]
     for step in steps:
         name, target = rules[step.rule]
         lines.append(
@@ -113,14 +113,14 @@ def _outcome(step: RuleStep, target: Any, shape: tuple[int, ...], sizes: dict[st
     if step.outcome == "filled":
         return "passed over: an earlier rule already set this dimension"
     if step.outcome == "used":
-        return f"passed over: its mesh axes {axes} already split dim {step.by}"
+        return f"passed over: {target!r} already splits dim {step.by}"
     if step.outcome == "indivisible":
         split = math.prod(sizes[a] for a in axes)
-        return f"passed over: size {shape[step.dim]} is not divisible by {axes} ({split})"
+        return f"passed over: size {shape[step.dim]} is not divisible by {target!r} ({split})"
     if step.outcome == "trivial":
-        return "passed over: its mesh axes have size 1, a later rule for the name may split"
+        return f"passed over: {target!r} has size 1 (a later rule for the name may split it)"
     missing = [a for a in axes if a not in sizes]
-    return f"applied, but the mesh has no axis {missing}: dropped below"
+    return f"applied, but the mesh has no axis {', '.join(map(repr, missing))} (corrected below)"
 
 
 class _Origin:

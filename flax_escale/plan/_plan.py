@@ -247,8 +247,8 @@ class ShardingPlan:
                 nn.with_logical_partitioning
               rules for these names, in order:
                 rules[3] ('mlp_intermediate', 'tp') on dim 1: applied
-                rules[9] ('hidden_state', 'tp') on dim 0: passed over: its mesh axes ('tp',)
-                  already split dim 1
+                rules[9] ('hidden_state', 'tp') on dim 0: passed over: 'tp' already splits
+                  dim 1
                 rules[17] ('hidden_state', ('fsdp', 'sp')) on dim 0: applied
                 rules[21] ('mlp_intermediate', ('fsdp', 'sp')) on dim 1: passed over: an
                   earlier rule already set this dimension

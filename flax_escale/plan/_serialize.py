@@ -35,7 +35,8 @@ def plan_to_json(plan: ShardingPlan) -> str:
     """``plan`` as JSON text (see :meth:`ShardingPlan.to_json`)."""
     data = {
         "format": FORMAT,
-        "mesh": dict(plan.mesh.shape),
+        # (pairs, not an object: keys are sorted when written, and the axes' order matters)
+        "mesh": [[axis, size] for axis, size in plan.mesh.shape.items()],
         "rules": None if plan.rules is None else _rules(plan.rules),
         "notes": list(plan.notes),
         "arrays": [_entry(e) for e in plan.entries],
@@ -69,7 +70,7 @@ def plan_from_json(text: str, mesh: Mesh | AbstractMesh | None = None) -> Shardi
             f"expected {FORMAT!r}); pass what ShardingPlan.to_json() wrote, or write the "
             "snapshot again with this version."
         )
-    sizes = {str(axis): int(size) for axis, size in data["mesh"].items()}
+    sizes = {str(axis): int(size) for axis, size in data["mesh"]}
     mesh = _mesh(sizes, mesh)
     mesh_shape = tuple(sizes.items())
     entries = []
