@@ -1,6 +1,7 @@
 """Layer 6: what users run around training.
 
 The sharding report and its checks (``sharding_report``, ``check_sharded``, ``will_it_fit``),
+pictures of a layout (``layout_picture``, ``memory_bars``, ``register_treescope``),
 checkpoints restored into a layout, the multi-host data helpers and the local multi-process
 launcher (``python -m flax_escale launch``). The top level re-exports what a user reaches for.
 """
@@ -14,6 +15,14 @@ from flax_escale.tools._data import (
 )
 from flax_escale.tools._launch import free_port, launch, process_environment
 from flax_escale.tools._memory import MemoryEstimate, will_it_fit
+from flax_escale.tools._picture import (
+    DeviceBlock,
+    LayoutPicture,
+    MemoryBars,
+    layout_picture,
+    memory_bars,
+    memory_by_device,
+)
 from flax_escale.tools._report import (
     ShardingReport,
     UnshardedParameterError,
@@ -21,8 +30,12 @@ from flax_escale.tools._report import (
     sharding_report,
 )
 from flax_escale.tools._reshardings import Resharding
+from flax_escale.tools._treescope import register_treescope
 
 __all__ = [
+    "DeviceBlock",
+    "LayoutPicture",
+    "MemoryBars",
     "MemoryEstimate",
     "Resharding",
     "ShardingReport",
@@ -33,8 +46,12 @@ __all__ = [
     "global_to_host_local",
     "host_local_to_global",
     "launch",
+    "layout_picture",
+    "memory_bars",
+    "memory_by_device",
     "process_batch_slice",
     "process_environment",
+    "register_treescope",
     "restore_checkpoint",
     "save_checkpoint",
     "sharding_report",

@@ -1,0 +1,193 @@
+"""Layouts in notebooks through treescope: pictures, plans, and arrays on Explicit meshes.
+
+treescope draws an array by slicing its edges under ``jax.jit``. On a mesh with ``Explicit``
+axes the slice's type keeps the array's sharding, and JAX refuses a slice whose length the
+mesh axes do not divide (``ShardingTypeError``): every array treescope does not summarize on
+the host (on CPU from 100,000 elements) fails to render. The arrays are drawn here from an
+``Auto`` view of the same buffers (no copy), and treescope's own sharding picture draws the
+blocks of :func:`~flax_escale.sharding._measure.device_blocks`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import treescope
+from jax.sharding import AxisType, NamedSharding
+from treescope import ndarray_adapters, rendering_parts, type_registries
+from treescope.external import jax_support
+
+from flax_escale.mesh import with_auto_axes
+from flax_escale.plan._plan import ShardingPlan, format_bytes
+from flax_escale.tools._picture import LayoutPicture, layout_picture, memory_bars
+
+__all__ = ["picture_part", "plan_part", "register_treescope"]
+
+
+def register_treescope() -> None:
+    """Makes treescope draw plans, and arrays on ``Explicit`` meshes, with their layout.
+
+    After it, ``treescope.render_to_html`` (and treescope's notebook display, e.g. after
+    ``treescope.basic_interactive_setup()``) draws a :class:`~flax_escale.ShardingPlan` as its
+    memory bars and one picture per array, and a ``jax.Array`` as treescope does plus, when it
+    is split over several devices, a folded picture of its blocks. Arrays on meshes with
+    ``Explicit`` axes, which treescope alone fails to draw from 100,000 elements, are read
+    through an ``Auto`` view of the same buffers. :class:`LayoutPicture` needs no registration.
+    Calling it again changes nothing.
+
+    Example:
+        >>> import jax
+        >>> import numpy as np
+        >>> import treescope
+        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> import flax_escale as fe
+        >>> from flax_escale.tools import register_treescope
+        >>> register_treescope()
+        >>> mesh = fe.create_mesh((1, 4, 1, 2, 1), axis_types="explicit")
+        >>> w = jax.device_put(np.zeros((512, 512), np.float32),
+        ...     NamedSharding(mesh, PartitionSpec("fsdp", "tp")))
+        >>> html = treescope.render_to_html(w, compressed=False)
+        >>> "[128:256, 0:256]" in html, "128.00 KiB" in html
+        (True, True)
+    """
+    # treescope installs its JAX support lazily, at its first rendering; done now, it cannot
+    # later replace what is registered here.
+    type_registries.update_registries_for_imports()
+    type_registries.TREESCOPE_HANDLER_REGISTRY[jax.Array] = _render_array
+    type_registries.NDARRAY_ADAPTER_REGISTRY[jax.Array] = _AutoViewAdapter()
+    type_registries.TREESCOPE_HANDLER_REGISTRY[ShardingPlan] = _render_plan
+
+
+def _auto_view(array: Any) -> Any:
+    """``array`` on the ``Auto`` twin of its mesh, sharing its buffers; others as they are."""
+    if isinstance(array, jax.core.Tracer) or array.is_deleted():
+        return array
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+        return array
+    auto = NamedSharding(with_auto_axes(sharding.mesh), sharding.spec)
+    shards = [shard.data for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, auto, shards)
+
+
+class _AutoViewAdapter(jax_support.JAXArrayAdapter):
+    """treescope's adapter for JAX arrays, reading values through :func:`_auto_view`."""
+
+    def get_array_data_with_truncation(
+        self, array: Any, mask: Any, edge_items_per_axis: tuple[int | None, ...]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        view = _auto_view(array)
+        return super().get_array_data_with_truncation(view, mask, edge_items_per_axis)
+
+    def get_array_summary(self, array: Any, fast: bool) -> Any:
+        return super().get_array_summary(_auto_view(array), fast)
+
+
+def _render_array(node: Any, path: str | None, subtree_renderer: Any) -> Any:
+    rendered = jax_support.render_jax_arrays(_auto_view(node), path, subtree_renderer)
+    sharding = getattr(node, "sharding", None)
+    if (
+        rendered is NotImplemented
+        or not isinstance(sharding, NamedSharding)
+        or len(sharding.device_set) < 2
+    ):
+        return rendered
+    folded = picture_part(layout_picture(node), None, rendering_parts.ExpandState.COLLAPSED)
+    return rendering_parts.siblings_with_annotations(rendered, " ", folded)
+
+
+def _render_plan(node: ShardingPlan, path: str | None, subtree_renderer: Any) -> Any:
+    del subtree_renderer
+    return plan_part(node, path)
+
+
+def plan_part(plan: ShardingPlan, path: str | None) -> Any:
+    """A plan as a treescope node: its memory bars, then a folded picture per array."""
+    bars = memory_bars(plan)
+    pictures = [
+        picture_part(layout_picture(plan, path=e.path), None, rendering_parts.ExpandState.COLLAPSED)
+        for e in plan
+    ]
+    label = (
+        f"ShardingPlan: {len(plan)} arrays, {format_bytes(plan.nbytes)}, "
+        f"{format_bytes(max(map(sum, bars.by_device.values())))} on the fullest device"
+    )
+    lines = [rendering_parts.text(line) for line in bars.describe().splitlines()]
+    return rendering_parts.build_custom_foldable_tree_node(
+        label=rendering_parts.text(label),
+        contents=rendering_parts.fold_condition(
+            expanded=rendering_parts.indented_children([*lines, *pictures])
+        ),
+        path=path,
+        expand_state=rendering_parts.ExpandState.EXPANDED,
+    )
+
+
+def picture_part(
+    picture: LayoutPicture,
+    path: str | None,
+    expand_state: Any = None,
+) -> Any:
+    """A :class:`LayoutPicture` as a treescope node: its title, treescope's drawing, its text.
+
+    The drawing is treescope's ``render_array_sharding``, fed the picture's blocks; it is left
+    out where it cannot apply (blocks of unequal length, from padding; a scalar).
+    """
+    lines = picture.describe().splitlines()
+    children = [rendering_parts.text(lines[1])]
+    if _even(picture):
+        children.append(treescope.render_array_sharding(_Blocks(picture)).treescope_part)
+    children += [rendering_parts.text(line) for line in lines[2:]]
+    return rendering_parts.build_custom_foldable_tree_node(
+        label=rendering_parts.abbreviation_color(rendering_parts.text(lines[0])),
+        contents=rendering_parts.fold_condition(
+            expanded=rendering_parts.indented_children(children)
+        ),
+        path=path,
+        expand_state=expand_state or rendering_parts.ExpandState.EXPANDED,
+    )
+
+
+def _even(picture: LayoutPicture) -> bool:
+    lengths = {tuple(stop - start for start, stop in d.block) for d in picture.devices}
+    return len(picture.shape) > 0 and len(lengths) == 1 and 0 not in next(iter(lengths))
+
+
+class _Blocks:
+    """A picture's blocks, as an array treescope can draw the sharding of (and nothing else)."""
+
+    def __init__(self, picture: LayoutPicture) -> None:
+        self.picture = picture
+
+    def __treescope_ndarray_adapter__(self) -> ndarray_adapters.NDArrayAdapter:
+        return _BlocksAdapter()
+
+
+class _BlocksAdapter(ndarray_adapters.NDArrayAdapter[_Blocks]):
+    def get_axis_info_for_array_data(self, array: _Blocks) -> tuple[Any, ...]:
+        return tuple(
+            ndarray_adapters.PositionalAxisInfo(i, size)
+            for i, size in enumerate(array.picture.shape)
+        )
+
+    def get_sharding_info_for_array_data(self, array: _Blocks) -> ndarray_adapters.ShardingInfo:
+        devices = array.picture.devices
+        return ndarray_adapters.ShardingInfo(
+            shard_shape=tuple(stop - start for start, stop in devices[0].block),
+            device_index_to_shard_slices={
+                d.device_id: tuple(slice(start, stop) for start, stop in d.block) for d in devices
+            },
+            device_type="device",
+            fully_replicated=len({d.block for d in devices}) == 1,
+        )
+
+    # The blocks hold no values: nothing else is ever asked of them.
+    def get_array_data_with_truncation(
+        self, array: Any, mask: Any, edge_items_per_axis: Any
+    ) -> Any:
+        raise NotImplementedError
+
+    def get_array_summary(self, array: Any, fast: bool) -> Any:
+        raise NotImplementedError
