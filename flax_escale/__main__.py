@@ -6,6 +6,8 @@ Subcommands:
   (:mod:`flax_escale.tools._launch`).
 - ``plan``: rank the meshes of N devices for a workload by memory and estimated step time
   (:func:`flax_escale.planning.plan_mesh`).
+- ``report``: the sharding report of a workload's parameters and optimizer state on one mesh,
+  printed and written as a web page (:func:`flax_escale.sharding_report`).
 
 Each subcommand is a function that adds its arguments to a subparser and sets ``run``, the
 function that carries it out and returns the exit code.
@@ -14,16 +16,24 @@ function that carries it out and returns the exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import sys
 from collections.abc import Sequence
 
+import jax
+from jax.sharding import Mesh
 from rich.console import Console
 
 from flax_escale import _checks as check
 from flax_escale import planning
 from flax_escale.errors import EscaleError
+from flax_escale.mesh import DEFAULT_AXIS_NAMES, create_mesh, parse_mesh_shape
 from flax_escale.planning import PROFILES
-from flax_escale.tools import _launch
+from flax_escale.planning._plan import _build
+from flax_escale.planning._state_plan import train_state_plan
+from flax_escale.tools import _launch, sharding_report
 
 
 def _add_launch(subparsers: argparse._SubParsersAction) -> None:
@@ -160,6 +170,66 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if plan.best is not None else 1
 
 
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="the sharding report of a workload's parameters and optimizer state on one mesh",
+        description=(
+            "Plan the train state of the workload that FACTORY returns (a "
+            "flax_escale.planning.Workload) on MESH, without allocating or compiling anything: "
+            "print the table of every array (parameters, optimizer state as the training step "
+            "holds it), and with --html write the report as a self-contained web page. With "
+            "--baseline-mesh, also list the arrays whose layout differs on that mesh."
+        ),
+    )
+    parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
+    mesh_help = (
+        f"axis sizes, named (dp:1,fsdp:4,tp:2; an axis of {','.join(DEFAULT_AXIS_NAMES)} left "
+        "out has size 1) or in that order (1,4,1,2,1); one size may be -1"
+    )
+    parser.add_argument("--mesh", required=True, help=mesh_help)
+    parser.add_argument("--html", default=None, help="also write the report to this web page")
+    parser.add_argument(
+        "--baseline-mesh", default=None, help="compare with the plan on this mesh (same form)"
+    )
+    parser.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    mesh = _mesh_of(args.mesh)
+    baseline_mesh = None if args.baseline_mesh is None else _mesh_of(args.baseline_mesh)
+    workload = _build(args.workload)
+    plan = train_state_plan(workload, mesh)
+    baseline = None if baseline_mesh is None else train_state_plan(workload, baseline_mesh)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    sharding_report(plan, console=console, html=args.html, baseline=baseline)
+    if args.html is not None:
+        console.print(f"wrote {args.html}", markup=False, highlight=False)
+    return 0
+
+
+def _mesh_of(text: str) -> Mesh:
+    """The mesh a ``--mesh`` string describes, over the library's axes."""
+    sizes, names = _mesh_shape(text)
+    if all(size > 0 for size in sizes) and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        # Nothing is compiled: without accelerators, the mesh is as many simulated CPU
+        # devices as it needs. Once JAX's backend has started its devices stand as they are.
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", math.prod(sizes))
+    return create_mesh(sizes, names)
+
+
+def _mesh_shape(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    # The named form may leave axes out: those it names, in its order, then the rest of size 1.
+    tokens = [token.strip() for token in text.split(",")]
+    named = list(dict.fromkeys(t.partition(":")[0].strip() for t in tokens if ":" in t))
+    if not named or not set(named) <= set(DEFAULT_AXIS_NAMES):
+        return parse_mesh_shape(text, DEFAULT_AXIS_NAMES)  # (its errors list every axis)
+    sizes, order = parse_mesh_shape(text, named)
+    rest = tuple(n for n in DEFAULT_AXIS_NAMES if n not in order)
+    return sizes + (1,) * len(rest), order + rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m flax_escale``, with one subparser per subcommand.
 
@@ -172,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="subcommands", dest="command", required=True)
     _add_launch(subparsers)
     _add_plan(subparsers)
+    _add_report(subparsers)
     return parser
 
 

@@ -169,7 +169,9 @@ def _kinds(a: PlanEntry, b: PlanEntry, bytes_a: int, bytes_b: int) -> tuple[str,
 
 
 def _logical(entry: PlanEntry) -> Any:
-    return None if entry.annotation is None else entry.annotation.axes
+    # Only logical names: an annotation in mesh axes (an array's own sharding) differs with
+    # the mesh, and its spec says so already.
+    return None if entry.annotation is None else entry.annotation.logical_axes
 
 
 def _padded(entry: PlanEntry) -> tuple[Any, ...]:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
 from flax_escale.plan._annotation import (
+    ANNOTATED_BY,
     AXES,
     GRAPH,
     LOGICAL,
@@ -194,6 +195,7 @@ class _Reader:
             key = (
                 kind,
                 metadata.get(LOGICAL_AXES),
+                metadata.get(ANNOTATED_BY),
                 metadata.get("out_sharding"),
                 metadata.get("sharding_names"),
                 id(metadata.get("sharding_rules")),

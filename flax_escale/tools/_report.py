@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from typing import Any
 
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of
+from flax_escale._specs import mesh_axes_of, mesh_text
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan import annotated_leaves, arrays_only
@@ -22,6 +23,7 @@ from flax_escale.resolve import RulesLike
 from flax_escale.resolve._fit import Correction
 from flax_escale.sharding import spec_from_shape
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
+from flax_escale.tools._html import render_html, write_html
 
 __all__ = ["ShardingReport", "UnshardedParameterError", "check_sharded", "sharding_report"]
 
@@ -56,7 +58,12 @@ class ShardingReport(LayoutFigures):
         return self.plan.corrections
 
     def rows(self) -> list[dict[str, Any]]:
-        """One dict per array: path, shape, dtype, logical axes, spec, bytes per device, notes."""
+        """One dict per array: its layout and, briefly, why.
+
+        Keys: path, shape, dtype, logical axes, who annotated it (``source``), spec, bytes per
+        device, and notes (corrections, rules passed over, idle axes put to use);
+        ``plan.explain(path)`` tells the whole story of one row.
+        """
         mesh = self.plan.mesh
         return [
             {
@@ -64,19 +71,35 @@ class ShardingReport(LayoutFigures):
                 "shape": e.shape,
                 "dtype": str(e.dtype),
                 "logical_axes": None if e.annotation is None else e.annotation.logical_axes,
+                "source": None if e.annotation is None else e.annotation.source,
                 "spec": e.spec,
                 "bytes_per_device": e.nbytes_per_device(mesh),
                 "notes": [c.detail for c in e.resolution.corrections]
-                + [f"no rule for {n!r}" for n in e.resolution.unknown_names],
+                + [f"no rule for {n!r}" for n in e.resolution.unknown_names]
+                + [
+                    f"{p.mesh_axes} passed over on dim {p.dim} (size {p.size})"
+                    for p in e.resolution.passed_over
+                    if not e.resolution.corrections
+                ]
+                + [c.detail for c in e.resolution.completed],
             }
             for e in self.plan
         ]
 
     def table(self) -> Table:
         """The report as a ``rich`` table."""
-        mesh = ", ".join(f"{k}={v}" for k, v in self.plan.mesh.shape.items())
+        mesh = mesh_text(self.plan.mesh.shape)
         table = Table(title=f"sharding plan on mesh ({mesh})", show_footer=True)
-        columns = ("path", "shape", "dtype", "logical axes", "spec", "bytes/device", "notes")
+        columns = (
+            "path",
+            "shape",
+            "dtype",
+            "logical axes",
+            "annotated by",
+            "spec",
+            "bytes/device",
+            "notes",
+        )
         for name in columns:
             table.add_column(name, justify="right" if name == "bytes/device" else "left")
         for row in self.rows():
@@ -86,12 +109,13 @@ class ShardingReport(LayoutFigures):
                 str(row["shape"]),
                 row["dtype"],
                 logical,
+                row["source"] or "-",
                 str(row["spec"]),
                 format_bytes(row["bytes_per_device"]),
                 "; ".join(row["notes"]),
             )
         table.columns[0].footer = f"{len(self.plan)} arrays"
-        table.columns[5].footer = format_bytes(self.max_device_bytes)
+        table.columns[6].footer = format_bytes(self.max_device_bytes)
         table.caption = (
             f"total {format_bytes(self.total_bytes)}; per device "
             f"{format_bytes(self.max_device_bytes)} max, "
@@ -112,6 +136,8 @@ def sharding_report(
     rules: RulesLike = None,
     console: Console | None = None,
     show: bool = True,
+    html: str | os.PathLike[str] | None = None,
+    baseline: ShardingPlan | None = None,
 ) -> ShardingReport:
     """Prints a table of how every array of ``tree`` is laid out, and returns the figures.
 
@@ -120,12 +146,22 @@ def sharding_report(
     Logical annotations (Linen boxes, NNX ``logical_axes`` metadata) are resolved with
     ``rules``; otherwise an array's own ``NamedSharding`` is shown.
 
+    With ``html``, the report is also written as one self-contained web page (no network
+    needed to open it): the mesh, each device's memory (parameters apart from optimizer
+    state, against the ideal share), every array in a table with a filter, and for the array
+    one clicks, which block each device holds and why its spec came out so
+    (``page.html#path=PATH`` opens on one array). The library replaces only a page it wrote
+    itself. With ``baseline``, a plan on another mesh or of another version, the arrays whose
+    layout differs are listed too (printed, and on the page).
+
     Args:
         tree: What to report on.
         mesh: The mesh; defaults to the plan's, the arrays', then the current mesh.
         rules: Logical-axis rules for logical annotations.
         console: Where to print (a ``rich`` console); defaults to standard output.
         show: Print the table; ``False`` only returns the figures.
+        html: Also write the report as a web page to this file (``str`` or ``os.PathLike``).
+        baseline: A plan to compare with (the "before"; this report's plan is the "after").
 
     Returns:
         A :class:`ShardingReport`.
@@ -133,7 +169,10 @@ def sharding_report(
     Raises:
         NoMeshError: If no mesh is given, carried by the arrays, or set.
         EscaleTypeError: If ``tree`` holds no array, ``mesh`` is not a mesh, ``console`` is
-            not a console or ``show`` not a bool.
+            not a console, ``show`` not a bool, ``html`` not a path or ``baseline`` not a
+            ``ShardingPlan``.
+        EscaleError: If ``html`` names a folder, a file in a missing folder, or an existing
+            file the library did not write (it is never overwritten).
 
     Example:
         >>> import jax
@@ -146,8 +185,20 @@ def sharding_report(
         >>> report = sharding_report({"w": w}, show=False)
         >>> report.total_bytes, report.max_device_bytes, report.balance_score
         (128, 16, 1.0)
+        >>> import pathlib, tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     page = pathlib.Path(folder, "report.html")
+        ...     _ = sharding_report({"w": w}, show=False, html=page)
+        ...     'content="flax_escale sharding report"' in page.read_text()
+        True
     """
     show = check.flag(show, "show")
+    if html is not None:
+        check.path(html, "html")
+    if baseline is not None:
+        check.instance(
+            baseline, ShardingPlan, "baseline", "fe.plan_sharding(model, other_mesh, rng, x)"
+        )
     if console is not None and not callable(getattr(console, "print", None)):
         raise EscaleTypeError(
             f"console must be a rich.console.Console, got {check.describe(console)}; pass "
@@ -157,7 +208,12 @@ def sharding_report(
     abstract = plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan])
     report = measure_layout(abstract, plan.specs(), plan.mesh, into=ShardingReport, plan=plan)
     if show:
-        (console or Console()).print(report.table())
+        out = console or Console()
+        out.print(report.table())
+        if baseline is not None:
+            out.print(baseline.diff(plan).table())
+    if html is not None:
+        write_html(html, render_html(plan, baseline=baseline))
     return report
 
 

@@ -426,4 +426,4 @@ def test_command_line_errors(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
-    assert "{launch,plan}" in capsys.readouterr().err  # the usage names the subcommands
+    assert "{launch,plan,report}" in capsys.readouterr().err  # the usage names the subcommands

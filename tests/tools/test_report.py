@@ -43,6 +43,26 @@ def test_report_of_a_plan_lists_every_array_with_figures():
     assert rows["wi/kernel"]["spec"] == P(("fsdp", "sp"), "tp")
     assert rows["wi/kernel"]["logical_axes"] == ("hidden_state", "mlp_intermediate")
     assert rows["wi/kernel"]["bytes_per_device"] == 64 * 256 * 4 // 8
+    assert rows["wi/kernel"]["source"] == "Up['kernel']"
+    assert "annotated by" in text
+    assert "Up['kernel']" in text
+
+
+def test_report_notes_say_briefly_why_a_spec_came_out_so():
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    rules = [("embed", "fsdp"), ("embed", "tp"), ("other", "tp")]
+    tree = {
+        "w": nn.LogicallyPartitioned(jnp.zeros((6, 8)), ("embed", None)),
+        "big": nn.LogicallyPartitioned(jnp.zeros((1024, 512)), ("embed", None)),
+        "v": nn.LogicallyPartitioned(jnp.zeros((8, 8)), (None, "other")),
+    }
+    rows = {r["path"]: r for r in fe.sharding_report(tree, mesh, rules=rules, show=False).rows()}
+    assert rows["w"]["notes"] == ["('fsdp',) passed over on dim 0 (size 6)"]
+    assert rows["w"]["spec"] == P("tp", None)
+    assert rows["big"]["notes"] == [
+        "idle mesh axis 'tp' put to use on dim 1 (size 512, now split 2 ways)"
+    ]
+    assert rows["w"]["source"] == "nn.with_logical_partitioning"
 
 
 def test_report_of_live_models_and_trees():
