@@ -220,14 +220,14 @@ def _mesh_of(text: str) -> Mesh:
 
 
 def _mesh_shape(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    # The named form may leave axes out: those it names, in its order, then the rest of size 1.
+    # The named form may leave axes out (size 1); the mesh keeps the library's axis order.
     tokens = [token.strip() for token in text.split(",")]
     named = list(dict.fromkeys(t.partition(":")[0].strip() for t in tokens if ":" in t))
     if not named or not set(named) <= set(DEFAULT_AXIS_NAMES):
         return parse_mesh_shape(text, DEFAULT_AXIS_NAMES)  # (its errors list every axis)
-    sizes, order = parse_mesh_shape(text, named)
-    rest = tuple(n for n in DEFAULT_AXIS_NAMES if n not in order)
-    return sizes + (1,) * len(rest), order + rest
+    given = dict(zip(*reversed(parse_mesh_shape(text, named)), strict=True))
+    sizes = tuple(given.get(name, 1) for name in DEFAULT_AXIS_NAMES)
+    return sizes, tuple(DEFAULT_AXIS_NAMES)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -305,7 +305,7 @@ def test_the_command_line_prints_the_report_and_writes_the_page(
     code = main([*argv, "--baseline-mesh", "fsdp:8"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "sharding plan on mesh (dp=1, fsdp=4, tp=2, ep=1, sp=1)" in out
+    assert "sharding plan on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)" in out
     assert "opt_state/0/mu/embed/embedding" in out
     assert "array(s) differ" in out
     assert f"wrote {target}" in out
