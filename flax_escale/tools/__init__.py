@@ -1,7 +1,8 @@
 """Layer 6: what users run around training.
 
 The sharding report and its checks (``sharding_report``, ``check_sharded``, ``will_it_fit``),
-pictures of a layout (``layout_picture``, ``memory_bars``, ``register_treescope``),
+pictures of a layout (``layout_picture``, ``memory_bars``, ``register_treescope``, the report as a
+web page),
 checkpoints restored into a layout, the multi-host data helpers and the local multi-process
 launcher (``python -m flax_escale launch``). The top level re-exports what a user reaches for.
 """
