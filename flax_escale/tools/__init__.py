@@ -1,10 +1,10 @@
 """Layer 6: what users run around training.
 
-The sharding report and its checks (``sharding_report``, ``check_sharded``, ``will_it_fit``),
-pictures of a layout (``layout_picture``, ``memory_bars``, ``register_treescope``, the report as a
-web page),
-checkpoints restored into a layout, the multi-host data helpers and the local multi-process
-launcher (``python -m flax_escale launch``). The top level re-exports what a user reaches for.
+The sharding report and its checks (``sharding_report``, also as a web page, ``check_sharded``,
+``will_it_fit``), pictures of a layout (``layout_picture``, ``memory_bars``,
+``register_treescope``), checkpoints restored into a layout, the multi-host data helpers and the
+local multi-process launcher (``python -m flax_escale launch``). The top level re-exports what a
+user reaches for.
 """
 
 from flax_escale.tools._checkpoint import restore_checkpoint, save_checkpoint
