@@ -10,6 +10,7 @@ blocks of :func:`~flax_escale.sharding._measure.device_blocks`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -24,6 +25,9 @@ from flax_escale.plan._plan import ShardingPlan, format_bytes
 from flax_escale.tools._picture import LayoutPicture, layout_picture, memory_bars
 
 __all__ = ["picture_part", "plan_part", "register_treescope"]
+
+
+_CHARARRAY = "The chararray class is deprecated"
 
 
 def register_treescope() -> None:
@@ -53,8 +57,11 @@ def register_treescope() -> None:
         (True, True)
     """
     # treescope installs its JAX support lazily, at its first rendering; done now, it cannot
-    # later replace what is registered here.
-    type_registries.update_registries_for_imports()
+    # later replace what is registered here. (Doing so, treescope 0.1.10 reads every public
+    # name of numpy, chararray included, which numpy 2.5 deprecates: not the user's concern.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _CHARARRAY, DeprecationWarning)
+        type_registries.update_registries_for_imports()
     type_registries.TREESCOPE_HANDLER_REGISTRY[jax.Array] = _render_array
     type_registries.NDARRAY_ADAPTER_REGISTRY[jax.Array] = _AutoViewAdapter()
     type_registries.TREESCOPE_HANDLER_REGISTRY[ShardingPlan] = _render_plan
