@@ -30,7 +30,7 @@ from flax_escale._frontend import (
     unused_pattern_note,
 )
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.plan._annotation import ANNOTATED_BY, LOGICAL_AXES
+from flax_escale.plan._annotation import LOGICAL_AXES
 
 __all__ = ["LOGICAL_AXES", "ShardedMixin", "collecting_unused", "sharded_module", "stacked"]
 
@@ -104,7 +104,6 @@ def _annotate(module: nnx.Module) -> None:
         if found is not None:
             matched.add(found[0])
             node.set_metadata(LOGICAL_AXES, found[1])
-            node.set_metadata(ANNOTATED_BY, f"{patterns.owner}[{found[0]!r}]")
     notes = getattr(_state, "notes", None)
     if notes is not None:
         notes.extend(

@@ -30,7 +30,6 @@ from flax_escale.axes import LogicalRules
 from flax_escale.resolve import as_logical_rules
 
 __all__ = [
-    "ANNOTATED_BY",
     "AXES",
     "GRAPH",
     "LOGICAL",
@@ -47,8 +46,6 @@ __all__ = [
 
 LOGICAL_AXES = "logical_axes"
 """The NNX variable-metadata key holding a variable's logical axes (set by ``sharded_module``)."""
-ANNOTATED_BY = "logical_axes_source"
-"""The NNX variable-metadata key naming the ``sharded_module`` pattern that set its axes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +150,7 @@ def read_annotation(leaf: Any, *, source: str | None = None) -> Annotation | Non
 def _variable_annotation(metadata: Mapping[str, Any], source: str | None) -> Annotation | None:
     names = metadata.get(LOGICAL_AXES)
     if names is not None:
-        return Annotation(
-            tuple(names), source=source or metadata.get(ANNOTATED_BY) or "sharded_module"
-        )
+        return Annotation(tuple(names), source=source or "sharded_module")
     names = metadata.get("out_sharding") or metadata.get("sharding_names")
     if not names:
         return None

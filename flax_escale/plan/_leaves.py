@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
 from flax_escale.plan._annotation import (
-    ANNOTATED_BY,
     AXES,
     GRAPH,
     LOGICAL,
@@ -195,7 +194,6 @@ class _Reader:
             key = (
                 kind,
                 metadata.get(LOGICAL_AXES),
-                metadata.get(ANNOTATED_BY),
                 metadata.get("out_sharding"),
                 metadata.get("sharding_names"),
                 id(metadata.get("sharding_rules")),
