@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax.core import meta
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
@@ -193,10 +194,20 @@ def _with_shardings(target: Any, shardings: Any) -> Any:
             check.named_sharding(sharding, "shardings")
     return treedef.unflatten(
         [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            _rebox(leaf, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
             for leaf, sharding in zip(leaves, given, strict=True)
         ]
     )
+
+
+def _rebox(leaf: Any, value: jax.ShapeDtypeStruct) -> Any:
+    # The box stays: its kind is part of the tree that was saved (an NNX state saves each
+    # variable's value under ".../value"), so only the array inside it is replaced.
+    if not is_box(leaf):
+        return value
+    if isinstance(leaf, meta.AxisMetadata):
+        return leaf.replace_boxed(value)
+    return leaf.replace(value)
 
 
 _TMP = ".flax-escale-tmp"  # the new checkpoint while it is written

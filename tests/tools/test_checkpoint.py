@@ -74,6 +74,24 @@ def test_nnx_state_round_trip(tmp_path):
     assert fresh.wi.kernel.get_value().sharding.mesh.shape["fsdp"] == 8
 
 
+def test_nnx_state_restores_into_an_abstract_model_with_plan_shardings(tmp_path):
+    # The variables stay variables: an NNX state saves each value under ".../value".
+    @fe.sharded_module({"kernel": KERNEL_AXES})
+    class Up(nnx.Module):
+        def __init__(self, rngs):
+            self.wi = nnx.Linear(32, 64, rngs=rngs)
+
+    model = fe.init_sharded(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    fe.save_checkpoint(tmp_path / "m", nnx.state(model))
+    other = fe.create_mesh((2, 4, 1, 1, 1))
+    plan = fe.plan_sharding(Up, other, 0)
+    graph, abstract = nnx.split(nnx.eval_shape(lambda: Up(nnx.Rngs(0))))
+    restored = fe.restore_checkpoint(tmp_path / "m", abstract, shardings=plan.shardings())
+    assert_bit_equal(restored, nnx.state(model))
+    assert restored["wi"]["kernel"].get_value().sharding.spec == plan["wi/kernel"].spec
+    assert nnx.merge(graph, restored).wi.kernel.get_value().sharding.mesh == other
+
+
 def test_errors(tmp_path):
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     tree = {"w": jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, P("fsdp")))}
