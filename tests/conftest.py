@@ -8,6 +8,7 @@ the processes that tests start (multi-process tests, examples, the launcher).
 """
 
 import os
+import shutil
 
 import jax
 import pytest
@@ -45,3 +46,16 @@ def mesh(devices):
     Test files whose subject needs another mesh define their own ``mesh`` fixture.
     """
     return fe.create_mesh(MESHES["fsdp4_tp2"])
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(
+                "Chromium is not installed, and CI is set: the browser tests must run in CI. "
+                "Install Debian's chromium (.ci/run does: apt-get install chromium)."
+            )
+        pytest.skip("Chromium is not installed (apt-get install chromium); CI runs these tests")
+    return found

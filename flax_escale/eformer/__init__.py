@@ -21,7 +21,8 @@ spec fails to divide its shape, and errors are :class:`~flax_escale.EscaleError`
 (``ValueError``), where eformer raises ``AssertionError`` for a missing mesh and ``KeyError``
 for an unknown axis.
 
-The README's "Coming from eformer" section maps each call to the library's own.
+The documentation's page "Coming from eformer" (``docs/migration/from_eformer.md``) maps each
+call to the library's own.
 
 Example:
     >>> import jax

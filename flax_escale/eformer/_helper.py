@@ -30,7 +30,7 @@ __all__ = ["MeshPartitionHelper"]
 class MeshPartitionHelper:
     """Shape-based sharding of whole pytrees on one mesh, with eformer's methods.
 
-    :meth:`_suggest_methods` and :meth:`analyze_pytree` give eformer's candidate methods (tuples
+    ``_suggest_methods`` and :meth:`analyze_pytree` give eformer's candidate methods (tuples
     of mesh axes, in priority order) and :meth:`create_partition_spec` places them as eformer
     does, so the pair gives eformer's spec wherever that spec divides the shape. The helper's
     own placement (:meth:`partition_specs`, :meth:`auto_shard_pytree`, :meth:`suggest_methods`)
@@ -73,7 +73,7 @@ class MeshPartitionHelper:
         """The mesh axes :meth:`partition_specs` places on each dimension of ``array_shape``.
 
         One tuple of mesh axes per dimension: the library's placement, not eformer's candidate
-        list (that is :meth:`_suggest_methods`, which :meth:`create_partition_spec` reads).
+        list (that is ``_suggest_methods``, which :meth:`create_partition_spec` reads).
         """
         shape = check.shape(array_shape, "array_shape")
         return suggest_methods(shape, self.axis_sizes, self._paxis)
@@ -97,7 +97,7 @@ class MeshPartitionHelper:
         return suggested_methods(check.shape(shape, "shape"), self.axis_sizes, self._paxis)
 
     def analyze_pytree(self, pytree: Any) -> dict[tuple[int, ...], list[Method]]:
-        """The candidate methods (:meth:`_suggest_methods`) for each shape in ``pytree``.
+        """The candidate methods (``_suggest_methods``) for each shape in ``pytree``.
 
         Raises:
             EscaleTypeError: If ``pytree`` holds no array.
@@ -115,7 +115,7 @@ class MeshPartitionHelper:
     ) -> PartitionSpec:
         """The spec eformer's helper makes of ``methods`` for ``array_shape``.
 
-        Methods are tried in order, in two passes (see :mod:`flax_escale.eformer._methods`): a
+        Methods are tried in order, in two passes (see ``flax_escale.eformer._methods``): a
         one-axis method goes on the first free dimension that is large enough and that its
         axis divides; a two-axis method ``(a, b)`` puts ``a`` on dimension 0 and ``b`` on
         dimension 1 (or both on dimension 0) and ends the pass; longer methods are passed

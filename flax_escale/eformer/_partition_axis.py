@@ -43,10 +43,11 @@ class PartitionAxis(axes.PartitionAxis):
     library's ``generation_*`` fields; both are accepted as keywords and read as attributes.
 
     An instance is a :class:`~flax_escale.PartitionAxis`, so the library's functions, Flax's
-    rules (:meth:`logical_axis_rules`) and :class:`PartitionManager` take it. It differs from
-    eformer's in one way: :meth:`replace` derives the fields never given from the new values
-    (``replace(batch_axis='dp')`` moves ``decode_batch_axis`` too), where eformer's keeps the
-    values derived when the first one was built.
+    rules (:meth:`~flax_escale.PartitionAxis.logical_axis_rules`) and :class:`PartitionManager`
+    take it. It differs from eformer's in one way: :meth:`~flax_escale.PartitionAxis.replace`
+    derives the fields never given from the new values (``replace(batch_axis='dp')`` moves
+    ``decode_batch_axis`` too), where eformer's keeps the values derived when the first one was
+    built.
 
     Example:
         >>> from flax_escale import eformer as escale

@@ -425,8 +425,8 @@ def _install(cls: type[nn.Module], patterns: Mapping[str, Sequence[str | None]] 
 class ShardedMixin(DeclaringMixin):
     """Inherit it (before ``nn.Module``) to declare parameters' logical axes as a class attribute.
 
-    ``patterns`` has the form :func:`sharded_module` takes. Subclasses inherit the patterns
-    of their parents and may add their own, which are tried first.
+    ``patterns`` has the form :func:`~flax_escale.sharded_module` takes. Subclasses inherit the
+    patterns of their parents and may add their own, which are tried first.
 
     Example:
         >>> import flax.linen as nn

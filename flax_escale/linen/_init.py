@@ -51,7 +51,7 @@ def init_train_state(
 ) -> TrainState:
     """A Flax ``TrainState`` whose parameters and optimizer state are born sharded.
 
-    The parameters come from :func:`init_sharded`; the optimizer state from
+    The parameters come from :func:`~flax_escale.init_sharded`; the optimizer state from
     :func:`~flax_escale.init_opt_state`, each leaf in its parameter's sharding (and split over
     ``shard_over`` too, ZeRO-1 style). ``apply_fn`` is ``model.apply``; with
     ``gather_at_use``, it gathers each parameter over the axes the rules split the batch and
@@ -65,10 +65,10 @@ def init_train_state(
         rng: A key or a dict of keys, as ``model.init`` takes.
         *inputs: Example inputs for ``model.init``.
         tx: The optax transformation.
-        rules: The logical-axis rules; see :func:`plan_sharding`.
-        strict: Raise instead of correcting; see :func:`plan_sharding`.
-        overrides: Annotations to replace; see :func:`plan_sharding`.
-        use_idle_axes: See :func:`plan_sharding`.
+        rules: The logical-axis rules; see :func:`~flax_escale.plan_sharding`.
+        strict: Raise instead of correcting; see :func:`~flax_escale.plan_sharding`.
+        overrides: Annotations to replace; see :func:`~flax_escale.plan_sharding`.
+        use_idle_axes: See :func:`~flax_escale.plan_sharding`.
         shard_over: Mesh axes to also split optimizer state over, such as ``("dp",)``.
         method: Passed to ``model.init``.
         gather_at_use: Make ``apply_fn`` gather each parameter where the model reads it.
@@ -81,9 +81,9 @@ def init_train_state(
 
     Raises:
         EscaleError: If the model has variables besides ``params`` (a ``TrainState`` holds only
-            parameters): use :func:`init_sharded` and :func:`~flax_escale.init_opt_state`;
-            or, with ``gather_at_use``, if the rules split the batch and sequence over no
-            mesh axis.
+            parameters): use :func:`~flax_escale.init_sharded` and
+            :func:`~flax_escale.init_opt_state`; or, with ``gather_at_use``, if the rules split
+            the batch and sequence over no mesh axis.
 
     Example:
         >>> import flax.linen as nn

@@ -33,9 +33,12 @@ __all__ = [
 ]
 
 DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)
+"""The default mesh's sizes, one per default axis: every device on ``fsdp`` (``-1``)."""
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
+"""The default mesh's axes: data, fully sharded data, expert, tensor and sequence parallel."""
 
 AxisTypeLike = AxisType | str
+"""A mesh axis type: a ``jax.sharding.AxisType`` or its name in any case (``"explicit"``)."""
 
 
 def normalize_axis_types(

@@ -54,8 +54,8 @@ def initialize_distributed(
     checkpoint (a small watcher process beside each one writes it, since JAX's abort lets no
     Python run). A collective that is running when its peer dies fails before that with a
     ``JaxRuntimeError`` ("Gloo AllGather failed: ... Connection closed by peer"), which
-    :func:`peer_loss_as_mesh_error` turns into a :class:`MeshError` naming the lost process.
-    Nothing can be saved after a loss (a checkpoint needs every process): save one
+    :func:`~flax_escale.mesh.peer_loss_as_mesh_error` turns into a :class:`MeshError` naming the
+    lost process. Nothing can be saved after a loss (a checkpoint needs every process): save one
     periodically.
 
     Args:
@@ -159,9 +159,9 @@ def peer_loss_as_mesh_error(what: str = "a collective") -> Iterator[None]:
 
     With gloo (CPU), a collective running when another process dies fails at once with
     ``JaxRuntimeError: Gloo AllGather failed: ... Connection closed by peer``. Inside this
-    context that becomes a :class:`MeshError` saying that a process was lost and which one,
-    when JAX names it or when there are only two; other errors pass unchanged. JAX still ends
-    this process (SIGABRT) once the lost process's heartbeats time out (see
+    context that becomes a :class:`~flax_escale.MeshError` saying that a process was lost and
+    which one, when JAX names it or when there are only two; other errors pass unchanged. JAX
+    still ends this process (SIGABRT) once the lost process's heartbeats time out (see
     :func:`initialize_distributed`); the error lets the program say why and clean up first.
 
     Args:

@@ -105,7 +105,7 @@ def _parse_size(text: str, size: str, token: str) -> int:
 def parse_mesh_from_string(axis_dims: str, names: Sequence[str], **mesh_kwargs: Any) -> Mesh:
     """Builds a mesh from a string such as ``"dp:2,tp:4"`` or ``"2,4"``.
 
-    See :func:`parse_mesh_shape` for the two forms. The sizes and names go to
+    See :func:`~flax_escale.mesh.parse_mesh_shape` for the two forms. The sizes and names go to
     :func:`~flax_escale.create_mesh`, with ``mesh_kwargs`` (``axis_types=``, ``devices=``, ...).
 
     Args:
@@ -117,7 +117,8 @@ def parse_mesh_from_string(axis_dims: str, names: Sequence[str], **mesh_kwargs: 
         The ``jax.sharding.Mesh``.
 
     Raises:
-        MeshError: As :func:`parse_mesh_shape` and :func:`~flax_escale.create_mesh` do.
+        MeshError: As :func:`~flax_escale.mesh.parse_mesh_shape` and
+            :func:`~flax_escale.create_mesh` do.
 
     Example:
         >>> from flax_escale import parse_mesh_from_string

@@ -21,6 +21,7 @@ from flax_escale.sharding import constrain
 __all__ = ["STRATEGIES", "MoeOutput", "Strategy", "moe_mlp"]
 
 Strategy = Literal["capacity", "dropless"]
+"""How :func:`moe_mlp` sends tokens to their experts: one of :data:`STRATEGIES`."""
 STRATEGIES: tuple[Strategy, ...] = ("capacity", "dropless")
 """The dispatch strategies of :func:`moe_mlp`."""
 _EXCHANGES = ("all_to_all", "ragged_all_to_all")

@@ -141,8 +141,8 @@ def _install(cls: type, patterns: Mapping[str, Sequence[str | None]] | None) -> 
 class ShardedMixin(DeclaringMixin):
     """Inherit it (before ``nnx.Module``) to declare variables' logical axes as a class attribute.
 
-    ``patterns`` has the form :func:`sharded_module` takes; subclasses add patterns that are
-    tried before their parents'.
+    ``patterns`` has the form :func:`~flax_escale.sharded_module` takes; subclasses add patterns
+    that are tried before their parents'.
 
     Example:
         >>> from flax import nnx

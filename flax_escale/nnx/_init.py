@@ -57,7 +57,8 @@ def init_optimizer(
     is materialized whole.
 
     Args:
-        model: A module whose tracked variables are sharded (from :func:`init_sharded`).
+        model: A module whose tracked variables are sharded (from
+            :func:`~flax_escale.init_sharded`).
         tx: The optax transformation.
         wrt: Which variables the optimizer updates, an NNX filter as ``nnx.Optimizer`` takes
             it; it must select at least one.

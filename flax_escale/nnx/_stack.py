@@ -4,7 +4,7 @@ The usual NNX stack, ``nnx.vmap`` over split keys, draws every layer's random nu
 An accelerator fuses them into the initializers' arithmetic; XLA's CPU backend materializes
 them, so a sharded init compiled for CPU holds every layer's random bits at once in
 temporaries. Made by ``nnx.scan`` instead, one layer is drawn at a time, with the same keys and
-so the same values (the README's benchmark B1 measures both).
+so the same values (the documentation's benchmark B1 measures both).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class ArrayChange:
         path: The array's path.
         before: Its entry in the first plan (``None``: added in the second).
         after: Its entry in the second plan (``None``: removed).
-        kinds: What differs, among :data:`KINDS`.
+        kinds: What differs, among ``KINDS`` (``added``, ``removed``, ``shape``, ``dtype``,
+            ``logical axes``, ``spec``, ``bytes``, ``corrections``).
         bytes_before: Its bytes per device in the first plan (0 if absent).
         bytes_after: Its bytes per device in the second plan (0 if absent).
     """

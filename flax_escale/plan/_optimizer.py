@@ -37,7 +37,7 @@ def opt_state_shardings(
 ) -> Any:
     """The sharding of every leaf of ``tx.init(params)``, computed without running it.
 
-    Each state leaf follows the parameter its path ends with (see :func:`follow_params`): a
+    Each state leaf follows the parameter its path ends with (see ``follow_params``): a
     leaf shaped like it (Adam's moments, momentum) takes its sharding, Adafactor's factored
     row and column statistics take it without the dimension optax factored away, and any
     other leaf (step counts, placeholders) is replicated. With ``shard_over`` (ZeRO-1), the

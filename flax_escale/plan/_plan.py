@@ -224,7 +224,7 @@ class ShardingPlan:
         spec, and the bytes per device against the ideal share.
 
         Args:
-            path: The array's path, as :attr:`PlanEntry.path` spells it.
+            path: The array's path, as a :class:`~flax_escale.plan.PlanEntry`'s ``path`` spells it.
 
         Returns:
             Lines of text.

@@ -36,6 +36,7 @@ ESTIMATE_TERMS = (
     "communication, no activations' memory traffic, kernel-efficiency or multi-host (DCN) "
     "terms. An estimate to rank meshes by, not a prediction of seconds."
 )
+"""What the planner's estimated step time adds up, and what it leaves out (printed with plans)."""
 
 
 def estimate_seconds(

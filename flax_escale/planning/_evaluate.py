@@ -64,7 +64,7 @@ class Figures:
         compile_seconds: Seconds spent lowering and compiling (0 when cached).
         cached: Whether the figures came from the cache.
         textbook_seconds: Its collectives' time when the weights travel, by the textbook
-            (:func:`~flax_escale.planning._estimate.textbook_communication`).
+            (``flax_escale.planning._estimate.textbook_communication``).
         tokens_per_device: Tokens of the batch each device computes on per step.
         reshardings: The arrays XLA's partitioner replicates in full to split them another
             way, in the init and the step: each costs an all-gather the layout did not ask
@@ -93,7 +93,7 @@ class Figures:
 
     @property
     def key(self) -> tuple[tuple[str, int], ...]:
-        """The mesh, hashable: one plan's figures are told apart by it."""
+        """The mesh, hashable; one plan's figures are told apart by it."""
         return _mesh_key(self.shape)
 
     def as_json(self) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
     device), an all-gather of 16 MiB (bytes each device sends per second, as
-    :mod:`flax_escale.planning._hlo` counts them), an all-reduce of one value per device
+    ``flax_escale.planning._hlo`` counts them), an all-reduce of one value per device
     (latency) and an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:

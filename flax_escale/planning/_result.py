@@ -58,7 +58,7 @@ class Candidate:
 
     @property
     def peak_bytes(self) -> int | None:
-        """Per-device peak: the larger of init's and one step's, by compiled figures."""
+        """Per-device peak, the larger of init's and one step's, by compiled figures."""
         f = self.figures
         if f.init_peak_bytes is None or f.step_peak_bytes is None:
             return None
@@ -90,7 +90,7 @@ class Candidate:
         return cls(figures, peak <= memory_bytes, compute, communication)
 
     def explain(self, profile: HardwareProfile | str) -> str:
-        """Why its estimate is what it is (see :func:`~flax_escale.planning._estimate.explain`).
+        """Why its estimate is what it is (see ``flax_escale.planning._estimate.explain``).
 
         Empty for a mesh that was not compiled.
 
@@ -172,7 +172,7 @@ class MeshPlan:
 
     @property
     def best(self) -> Candidate | None:
-        """The recommended mesh: the fastest that fits, or ``None`` if none does."""
+        """The recommended mesh, the fastest that fits, or ``None`` if none does."""
         return self.fitting[0] if self.fitting else None
 
     def recommendation(self) -> str:

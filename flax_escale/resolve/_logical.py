@@ -47,8 +47,8 @@ def resolve_logical_axes(
     Args:
         logical_axes: One logical name (or ``None``) per dimension; ``None`` for an
             unannotated array (replicated).
-        rules: The rules (see :func:`as_logical_rules`); defaults to Flax's rules context, then
-            to ``PartitionAxis()``.
+        rules: The rules (see :func:`~flax_escale.resolve.as_logical_rules`); defaults to Flax's
+            rules context, then to ``PartitionAxis()``.
         shape: The array shape. With a mesh, it makes resolution shape-aware.
         mesh: The mesh; defaults to the current mesh, if any. Without one, the result is
             exactly ``flax.linen.logical_to_mesh_axes``'s.
@@ -56,7 +56,7 @@ def resolve_logical_axes(
         path: The parameter path, named in error messages.
 
     Returns:
-        A :class:`Resolution`; its ``spec`` is valid for ``shape`` on ``mesh``.
+        A :class:`~flax_escale.resolve.Resolution`; its ``spec`` is valid for ``shape`` on ``mesh``.
 
     Raises:
         ShardingResolutionError: In strict mode, if something had to be corrected or a logical

@@ -64,7 +64,7 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     part goes to the call that acts on it. ``PartitionSpec.UNCONSTRAINED`` entries stay
     unconstrained on Auto axes and keep the array's current sharding on Explicit ones (and when
     a concrete array is placed). ``spec`` must already be valid for ``x`` (see
-    :func:`~flax_escale.resolve._fit.fit_spec`).
+    :func:`~flax_escale.resolve.fit_spec`).
 
     Raises:
         EscaleError: If ``spec`` names a mesh axis twice or one the mesh lacks.

@@ -55,7 +55,7 @@ def specs_from_regex(rules: Rules, tree: Any, min_size: int | None = 0, strict: 
         rules: ``(regex, PartitionSpec)`` pairs, tried in order.
         tree: Any pytree: dicts, lists, ``nnx.State``, Linen variables (boxed or not).
         min_size: Arrays with fewer elements stay unsharded; ``None`` means
-            :data:`DEFAULT_MIN_SIZE` (16384), as in eformer.
+            ``DEFAULT_MIN_SIZE`` (16384), as in eformer.
         strict: Raise if an array matches no rule; otherwise it is replicated, with a
             :class:`~flax_escale.ShardingCorrectionWarning` listing every such path.
 

@@ -76,10 +76,10 @@ class LocalChunker:
     """Tells one process which chunk of a sharded array it holds, and which replica it is.
 
     Every process must own one block of the mesh, of the same shape for all processes (meshes
-    from :func:`create_mesh`, ``get_mesh``, ``get_cpu_mesh`` and ``get_gpu_mesh`` do). Unlike
-    t5x, a dimension may be sharded over several mesh axes (the first one major, as in a
-    ``PartitionSpec``) when each process's part of it is one slice, and ``mesh_axes`` may be
-    shorter than the array's rank.
+    from :func:`~flax_escale.create_mesh`, ``get_mesh``, ``get_cpu_mesh`` and ``get_gpu_mesh``
+    do). Unlike t5x, a dimension may be sharded over several mesh axes (the first one major, as
+    in a ``PartitionSpec``) when each process's part of it is one slice, and ``mesh_axes`` may
+    be shorter than the array's rank.
 
     Attributes:
         global_mesh: The mesh.
@@ -194,7 +194,7 @@ class LocalChunker:
             sharded_mesh_axes: A mesh axis name, or several (a ``PartitionSpec`` works too).
 
         Returns:
-            The shard id, from ``0`` to the product of the axes' :attr:`num_chunks` minus one.
+            The shard id, from ``0`` to the product of the axes' ``num_chunks`` minus one.
 
         Raises:
             MeshError: If an axis is not in the mesh or appears twice.
@@ -213,7 +213,7 @@ class LocalChunker:
             sharded_mesh_axes: A mesh axis name, or several (a ``PartitionSpec`` works too).
 
         Returns:
-            The replica id, from ``0`` to the product of the other axes' :attr:`num_chunks`
+            The replica id, from ``0`` to the product of the other axes' ``num_chunks``
             minus one.
 
         Raises:

@@ -84,7 +84,7 @@ class DataPartitioning:
 
     @property
     def data_partition_spec(self) -> PartitionSpec:
-        """The spec of a batch: its first dimension split over the mesh axes of ``batch``."""
+        """The spec of a batch, its first dimension split over the mesh axes of ``batch``."""
         axes = self._data_axes
         if not axes:
             return PartitionSpec()

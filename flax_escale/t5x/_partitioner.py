@@ -117,7 +117,7 @@ class Partitioner(DataPartitioning, StatePartitioning):
         num_partitions: Devices per model replica (the ``model`` axis size).
         model_parallel_submesh: The ``(x, y, z, core)`` TPU tile of one model replica.
         params_on_devices: t5x's flag for keeping parameters in device memory, kept as
-            :attr:`params_on_devices` for t5x's trainer, which reads it to decide whether to
+            ``params_on_devices`` for t5x's trainer, which reads it to decide whether to
             call :meth:`move_params_to_devices`; the partitioner itself places what it is given.
         backend: The platform whose devices make the default mesh.
         ici_mesh_shape: Per-slice ``(replica, data, model)`` shape of a multi-slice mesh.

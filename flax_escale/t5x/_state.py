@@ -44,7 +44,7 @@ class StatePartitioning:
         (``logical_axes``, ``out_sharding``). Optimizer state inherits them: leaves of the
         parameter's shape keep them all, and leaves with a dimension less (Adafactor's factored
         statistics) get the names without it (see
-        :func:`~flax_escale.plan._follow.follow_params`). Other leaves are ``None``. An
+        ``flax_escale.plan._follow.follow_params``). Other leaves are ``None``. An
         ``AxisNames`` compares equal to the ``PartitionSpec`` of the same names, which is what
         t5x's (Flax's) logical axes are.
 

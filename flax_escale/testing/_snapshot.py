@@ -26,9 +26,9 @@ def assert_plan_matches(
 ) -> None:
     """Fails if ``plan`` differs from the plan kept in ``snapshot`` (a JSON file).
 
-    Arrays are compared as :meth:`ShardingPlan.diff` compares them (shape, dtype, logical
-    axes, spec, bytes per device, corrections, arrays added or removed), and the meshes'
-    shapes; where an annotation came from is not compared.
+    Arrays are compared as :meth:`~flax_escale.ShardingPlan.diff` compares them (shape, dtype,
+    logical axes, spec, bytes per device, corrections, arrays added or removed), and the
+    meshes' shapes; where an annotation came from is not compared.
 
     Args:
         plan: The plan of the model as it is now.

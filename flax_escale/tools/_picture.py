@@ -104,7 +104,7 @@ class LayoutPicture:
 
     @property
     def ideal_device_bytes(self) -> float:
-        """The whole array over the devices: what each would hold if it were split evenly."""
+        """The whole array over the devices, what each would hold if it were split evenly."""
         return self.nbytes / len(self.devices)
 
     def title(self) -> str:
@@ -245,7 +245,7 @@ def layout_picture(
 
     Args:
         x: A :class:`~flax_escale.ShardingPlan` (with ``path``), one of its
-            :class:`~flax_escale.PlanEntry`, a ``jax.Array`` or a ``jax.ShapeDtypeStruct``
+            :class:`~flax_escale.plan.PlanEntry`, a ``jax.Array`` or a ``jax.ShapeDtypeStruct``
             (either with a ``NamedSharding``, or with ``mesh`` given: replicated on it).
         mesh: The mesh; defaults to the plan's or the sharding's. Needed for a plan entry.
         path: The array of the plan to draw.
@@ -411,7 +411,7 @@ class MemoryBars:
 
     @property
     def ideal_device_bytes(self) -> float:
-        """All arrays over the devices: what each would hold if everything were split evenly."""
+        """All arrays over the devices, what each would hold if everything were split evenly."""
         return self.total_bytes / len(self.by_device)
 
     def _bar(self, params: int, opt: int, glyphs: str, styles: tuple[str, ...]) -> Text:

@@ -9,12 +9,8 @@ import dataclasses
 import functools
 import html.parser
 import json
-import os
 import re
-import shutil
-import signal
 import struct
-import subprocess
 import urllib.parse
 import warnings
 
@@ -27,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from support import EXAMPLES
+from support.browser import browse
 from support.example_modules import load
 
 import flax_escale as fe
@@ -352,59 +349,6 @@ def test_the_command_line_names_a_missing_factory(examples_importable, capsys):
 
 # --- in a real browser ----------------------------------------------------------------------
 
-_BROWSER_TIMEOUT = 120
-
-
-@pytest.fixture(scope="session")
-def chromium():
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail(
-                "Chromium is not installed, and CI is set: the browser tests must run in CI. "
-                "Install Debian's chromium (.ci/run does: apt-get install chromium)."
-            )
-        pytest.skip("Chromium is not installed (apt-get install chromium); CI runs these tests")
-    return found
-
-
-def _browse(chromium, page_path, tmp_path, *action, fragment=""):
-    """Runs headless Chromium on the page, offline: every host unresolvable, a dead proxy."""
-    url = page_path.as_uri() + fragment
-    command = [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        "--host-resolver-rules=MAP * ~NOTFOUND",
-        "--proxy-server=127.0.0.1:9",
-        "--virtual-time-budget=5000",
-        *action,
-        url,
-    ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its helper processes too are ended on a timeout
-    )
-    try:
-        out, err = process.communicate(timeout=_BROWSER_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"Chromium did not finish within {_BROWSER_TIMEOUT} s: {command}")
-    assert process.returncode == 0, err[-2000:]
-    return out
-
 
 class _Elements(html.parser.HTMLParser):
     """Every element's tag and attributes, with the text of the element it is in."""
@@ -432,7 +376,7 @@ class _Elements(html.parser.HTMLParser):
 
 def _dom(chromium, page_path, tmp_path, fragment=""):
     parser = _Elements()
-    parser.feed(_browse(chromium, page_path, tmp_path, "--dump-dom", fragment=fragment))
+    parser.feed(browse(chromium, page_path, tmp_path, "--dump-dom", fragment=fragment))
     elements = parser.elements
     body = next(e for e in elements if e["tag"] == "body")
     assert body.get("data-ready") == "1", "the page's script did not finish"
@@ -445,7 +389,7 @@ def _rows(elements):
 
 def _screenshot(chromium, page_path, tmp_path, fragment=""):
     shot = tmp_path / "shot.png"
-    _browse(
+    browse(
         chromium,
         page_path,
         tmp_path,
