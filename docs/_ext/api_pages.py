@@ -125,24 +125,21 @@ def namespace_lines(namespace: str) -> list[str]:
             lines += [f".. py:data:: {name}", "", *(f"   {line}" for line in doc), ""]
         elif not getattr(obj, "__module__", "").startswith("flax_escale"):
             # Another project's object, re-exported: its own reference documents it.
-            target = f"{obj.__module__}.{obj.__qualname__}"
-            domain = {"exc": "exception", "func": "function"}.get(role, role)
-            link = f":py:{role}:`{target}`"
-            lines += [f".. py:{domain}:: {name}", "", f"   The same object as {link}.", ""]
+            lines += _alias_lines(name, role, f"{obj.__module__}.{obj.__qualname__}")
         elif home == (namespace, name):
             options = []
             if directive in ("autoclass", "autoexception"):
                 options = ["   :members:", *inherited_option(obj)]
             lines += [f".. {directive}:: {namespace}.{name}", *options, ""]
         else:
-            domain = {"exc": "exception", "func": "function"}.get(role, role)
-            lines += [
-                f".. py:{domain}:: {name}",
-                "",
-                f"   The same object as :py:{role}:`{home[0]}.{home[1]}`.",
-                "",
-            ]
+            lines += _alias_lines(name, role, f"{home[0]}.{home[1]}")
     return lines
+
+
+def _alias_lines(name: str, role: str, target: str) -> list[str]:
+    """An entry of its own for a name whose object is described at ``target``."""
+    domain = {"exc": "exception", "func": "function"}.get(role, role)
+    return [f".. py:{domain}:: {name}", "", f"   The same object as :py:{role}:`{target}`.", ""]
 
 
 class ApiNamespace(SphinxDirective):
