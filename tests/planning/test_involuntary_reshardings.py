@@ -5,7 +5,8 @@ Each workload's training step is compiled on each candidate mesh in a fresh proc
 collected: there must be none. The workloads are the two examples (every layout of 8 devices
 over ``dp, fsdp, tp, sp``), the real models of ``support.real_models`` and a Llama-shaped
 decoder (vocabulary 32,000), on XLA:CPU and on the TPU compiler (a v5e slice of 8 chips, and
-of 64 for the Llama-shaped one), where the candidates are those the planner compiles.
+of 64 for the Llama-shaped one, a ``pod`` test that runs when asked: ``-m pod``), where the
+candidates are those the planner compiles.
 
 Before the examples gathered their embedding tables for the lookup, four layouts of each had
 reports (``dp`` with ``fsdp``, ``fsdp`` with ``sp``). lm1b, which constrains no activation,
@@ -107,6 +108,7 @@ def test_no_candidate_mesh_of_a_real_model_replicates_an_array(factory, target):
     _assert_none(found, CASES[factory, target])
 
 
+@pytest.mark.pod
 def test_no_candidate_mesh_of_64_chips_replicates_an_array():
     # v5p-128 is 64 chips (two TensorCores each); the compiler cannot route a 64-chip v5e
     # slice from a host without one ("Failed to create limited ICI routing replica info
