@@ -158,6 +158,7 @@ def _users_train_state(workload, mesh, init):
 
 
 @pytest.mark.slow
+@pytest.mark.pod
 def test_a_64_chip_plan_has_the_figures_of_the_programs_compiled_the_users_way(tmp_path):
     gpt = load("linen_gpt")
     plan = plan_mesh(

@@ -350,7 +350,7 @@ def mlp_workload(batch=64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["v5e-8", "v5p-128"])
+@pytest.mark.parametrize("name", ["v5e-8", pytest.param("v5p-128", marks=pytest.mark.pod)])
 def test_no_mesh_ruled_out_before_compiling_would_have_ranked_first(name, tmp_path):
     every = plan_mesh(mlp_workload, target=name, exhaustive=True, cache=tmp_path)
     quick = plan_mesh(mlp_workload, target=name, cache=tmp_path)
