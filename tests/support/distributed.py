@@ -1,20 +1,22 @@
 """Runs a snippet of Python in several real JAX processes on loopback.
 
 Each process starts ``jax.distributed`` with a coordinator on 127.0.0.1 and the gloo CPU
-collectives, runs the snippet, and reports the JSON of the snippet's ``result`` variable. Every
-process is killed if the group does not finish in time, so a test can never hang.
+collectives, runs the snippet, and writes the JSON of the snippet's ``result`` variable to a
+file of its own: gloo's native code prints to the same stdout at any moment, so a report read
+from stdout could be cut by its lines. Every process is killed if the group does not finish in
+time, so a test can never hang.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
-
-MARKER = "@@result@@"
 
 PRELUDE = """
 import json, sys
@@ -28,9 +30,23 @@ jax.distributed.initialize(
 """
 
 EPILOGUE = """
-print({marker!r} + json.dumps(result), flush=True)
+with open(sys.argv[-1], "w") as report:
+    json.dump(result, report)
 jax.distributed.shutdown()
 """
+
+# What gloo prints when a process connects, from native code, on the stdout Python prints to.
+# It may land anywhere, inside one of our lines too, and its newline comes in a write of its
+# own: tests that read lines remove it first.
+GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+
+
+def without_gloo(output: str) -> str:
+    """``output`` without gloo's connection messages (their newlines stay, as empty lines)."""
+    return GLOO_CONNECTED.sub("", output)
 
 
 def free_port() -> int:
@@ -56,37 +72,59 @@ def run_processes(
             init_timeout=init_timeout,
         )
         + textwrap.dedent(code)
-        + EPILOGUE.format(marker=MARKER)
+        + EPILOGUE
     )
-    outputs = run_commands(
+    return run_reporting(
         [[sys.executable, "-c", script, str(rank)] for rank in range(num_processes)],
         timeout=timeout,
     )
-    results = []
-    for rank, (returncode, out, err) in enumerate(outputs):
-        lines = [line for line in out.splitlines() if line.startswith(MARKER)]
-        if returncode != 0 or not lines:
-            raise AssertionError(
-                f"process {rank} exited with {returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
-            )
-        # raw_decode: native logging may land on the same line right after the JSON.
-        results.append(json.JSONDecoder().raw_decode(lines[-1][len(MARKER) :])[0])
-    return results
 
 
-def run_commands(commands: list[list[str]], *, timeout: float) -> list[tuple[int, str, str]]:
+def run_reporting(
+    commands: list[list[str]], *, timeout: float, envs: list[dict[str, str]] | None = None
+) -> list:
+    """Runs the commands as :func:`run_commands` does, each given a report path as its last
+    argument; returns the JSON each one wrote there, in order.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [os.path.join(folder, f"{rank}.json") for rank in range(len(commands))]
+        outputs = run_commands(
+            [[*command, path] for command, path in zip(commands, paths, strict=True)],
+            timeout=timeout,
+            envs=envs,
+        )
+        reports = []
+        for rank, (path, (returncode, out, err)) in enumerate(zip(paths, outputs, strict=True)):
+            if returncode != 0 or not os.path.exists(path):
+                raise AssertionError(
+                    f"process {rank} exited with {returncode}\n"
+                    f"stdout:\n{out}\nstderr:\n{err[-4000:]}"
+                )
+            with open(path) as report:
+                reports.append(json.load(report))
+        return reports
+
+
+def run_commands(
+    commands: list[list[str]], *, timeout: float, envs: list[dict[str, str]] | None = None
+) -> list[tuple[int, str, str]]:
     """Runs the commands at once (one process each); ``(returncode, stdout, stderr)`` of each.
 
-    Every process is killed if the group does not finish within ``timeout`` seconds, so that a
-    test can never hang. The simulated device count of the test session is not passed on.
+    Each command runs in this process's environment, or in its entry of ``envs``. Every process
+    is killed if the group does not finish within ``timeout`` seconds, so that a test can never
+    hang. The simulated device count of the test session is not passed on.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
+    envs = envs or [dict(os.environ) for _ in commands]
     procs = [
         subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={name: value for name, value in env.items() if name != "XLA_FLAGS"}
+            | {"PYTHONUNBUFFERED": "1"},
         )
-        for command in commands
+        for command, env in zip(commands, envs, strict=True)
     ]
     outputs = []
     try:

@@ -5,13 +5,12 @@ Indexed Job), pointed at 127.0.0.1, and calls ``initialize_distributed()`` with 
 the processes then run a collective together.
 """
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-from support.distributed import free_port
+from support.distributed import free_port, run_reporting
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,14 +23,15 @@ import flax_escale as fe
 
 cluster = fe.initialize_distributed(local_device_count=4, timeout=60)
 ranks = multihost_utils.process_allgather(np.array([jax.process_index()]))
-print("@@" + json.dumps({
+with open(sys.argv[-1], "w") as report:
+    json.dump({
     "environment": cluster.environment,
     "address": cluster.coordinator_address,
     "rank": jax.process_index(),
     "count": jax.process_count(),
     "devices": len(jax.devices()),
     "ranks": ranks.ravel().tolist(),
-}), flush=True)
+    }, report)
 jax.distributed.shutdown()
 """
 
@@ -46,32 +46,11 @@ def run_as_cluster(envs: list[dict[str, str]], timeout: float = 180.0) -> list[d
         for name, value in os.environ.items()
         if not name.startswith(CLUSTER_PREFIXES) and name not in CLUSTER_NAMES
     }
-    base.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT],
-            env={**base, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for env in envs
-    ]
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]  # a hang guard
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    reports = []
-    for proc, (out, err) in zip(procs, outputs, strict=True):
-        lines = [line for line in out.splitlines() if line.startswith("@@")]
-        details = f"exit {proc.returncode}\n{out}\n{err[-3000:]}"
-        assert proc.returncode == 0, details
-        assert lines, details
-        reports.append(json.JSONDecoder().raw_decode(lines[-1][2:])[0])
-    return reports
+    return run_reporting(
+        [[sys.executable, "-c", SCRIPT] for _ in envs],
+        timeout=timeout,
+        envs=[{**base, **env} for env in envs],
+    )
 
 
 def test_slurm_tasks_find_each_other():
