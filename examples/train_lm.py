@@ -40,18 +40,9 @@ DEFAULT_MESH = {"cpu": "dp:1,fsdp:4,tp:2", "accelerator": "fsdp:-1"}
 
 def mesh_from_string(text: str, devices: list[jax.Device] | None = None) -> jax.sharding.Mesh:
     """A five-axis escale mesh from ``dp:1,fsdp:4,tp:2`` (absent axes: size 1) or ``1,4,1,2,1``."""
-    names = fe.mesh.DEFAULT_AXIS_NAMES
-    if ":" in text:
-        names = tuple(token.split(":")[0].strip() for token in text.split(","))
-        unknown = [n for n in names if n not in fe.mesh.DEFAULT_AXIS_NAMES]
-        if unknown:
-            raise fe.MeshError(
-                f"--mesh {text!r}: unknown axis {unknown[0]!r}; use {fe.mesh.DEFAULT_AXIS_NAMES}."
-            )
-    sizes, order = fe.mesh.parse_mesh_shape(text, names)
-    given = dict(zip(order, sizes, strict=True))
-    dims = tuple(given.get(n, 1) for n in fe.mesh.DEFAULT_AXIS_NAMES)
-    return fe.create_mesh(dims, devices=devices)
+    return fe.parse_mesh_from_string(
+        text, fe.mesh.DEFAULT_AXIS_NAMES, partial=True, devices=devices
+    )
 
 
 class Trainer:

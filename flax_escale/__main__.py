@@ -210,24 +210,13 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _mesh_of(text: str) -> Mesh:
     """The mesh a ``--mesh`` string describes, over the library's axes."""
-    sizes, names = _mesh_shape(text)
+    sizes, names = parse_mesh_shape(text, DEFAULT_AXIS_NAMES, partial=True)
     if all(size > 0 for size in sizes) and "JAX_NUM_CPU_DEVICES" not in os.environ:
         # Nothing is compiled: without accelerators, the mesh is as many simulated CPU
         # devices as it needs. Once JAX's backend has started its devices stand as they are.
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", math.prod(sizes))
     return create_mesh(sizes, names)
-
-
-def _mesh_shape(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    # The named form may leave axes out (size 1); the mesh keeps the library's axis order.
-    tokens = [token.strip() for token in text.split(",")]
-    named = list(dict.fromkeys(t.partition(":")[0].strip() for t in tokens if ":" in t))
-    if not named or not set(named) <= set(DEFAULT_AXIS_NAMES):
-        return parse_mesh_shape(text, DEFAULT_AXIS_NAMES)  # (its errors list every axis)
-    given = dict(zip(*reversed(parse_mesh_shape(text, named)), strict=True))
-    sizes = tuple(given.get(name, 1) for name in DEFAULT_AXIS_NAMES)
-    return sizes, tuple(DEFAULT_AXIS_NAMES)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def parse_mesh_shape(
-    axis_dims: str, names: Sequence[str]
+    axis_dims: str, names: Sequence[str], *, partial: bool = False
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Parses a mesh string into axis sizes and axis names, without building a mesh.
 
@@ -27,17 +27,22 @@ def parse_mesh_shape(
     order is the order of the string. The positional form ``"2,4"`` gives the sizes of ``names``
     in order. Spaces around tokens are ignored and one size may be ``-1``.
 
+    With ``partial=True`` the named form may leave axes out, as a command line's ``--mesh
+    fsdp:4,tp:2`` does; each gets size 1, and the mesh's axis order is the order of ``names``
+    (the string's order would be arbitrary for the axes it leaves out).
+
     Args:
         axis_dims: The mesh string.
         names: The axis names the mesh must have, each exactly once.
+        partial: Whether the named form may leave axes of ``names`` out (size 1).
 
     Returns:
         ``(sizes, names)`` in mesh order.
 
     Raises:
-        MeshError: For a malformed or non-integer token, an unknown, repeated or missing name,
-            or a positional string whose length differs from ``names``. The message quotes
-            the offending token.
+        MeshError: For a malformed or non-integer token, an unknown or repeated name, a
+            missing name (unless ``partial``), or a positional string whose length differs
+            from ``names``. The message quotes the offending token.
 
     Example:
         >>> from flax_escale.mesh import parse_mesh_shape
@@ -45,12 +50,19 @@ def parse_mesh_shape(
         ((4, 2), ('tp', 'dp'))
         >>> parse_mesh_shape("2,-1", ["dp", "tp"])
         ((2, -1), ('dp', 'tp'))
+        >>> parse_mesh_shape("tp:4", ["dp", "fsdp", "tp"], partial=True)
+        ((1, 1, 4), ('dp', 'fsdp', 'tp'))
     """
     check.string(axis_dims, "axis_dims", "'dp:2,tp:4' or '2,4'")
     expected = check.names(names, "names")
+    check.flag(partial, "partial")
     tokens = [t.strip() for t in axis_dims.split(",")]
     if any(":" in t for t in tokens):
-        return _parse_named(axis_dims, tokens, expected)
+        sizes, order = _parse_named(axis_dims, tokens, expected, partial)
+        if not partial:
+            return sizes, order
+        given = dict(zip(order, sizes, strict=True))
+        return tuple(given.get(name, 1) for name in expected), expected
     sizes = tuple(_parse_size(axis_dims, t, t) for t in tokens)
     if len(sizes) != len(expected):
         raise MeshError(
@@ -62,7 +74,7 @@ def parse_mesh_shape(
 
 
 def _parse_named(
-    text: str, tokens: list[str], expected: tuple[str, ...]
+    text: str, tokens: list[str], expected: tuple[str, ...], partial: bool
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     sizes: list[int] = []
     order: list[str] = []
@@ -86,7 +98,7 @@ def _parse_named(
         sizes.append(_parse_size(text, size, token))
         order.append(name)
     missing = [n for n in expected if n not in order]
-    if missing:
+    if missing and not partial:
         raise MeshError(
             f"mesh string {text!r} does not give a size for axis names {tuple(missing)!r}: "
             f"name every axis of {expected}, using size 1 for an unused one."
@@ -102,15 +114,19 @@ def _parse_size(text: str, size: str, token: str) -> int:
     return int(size)
 
 
-def parse_mesh_from_string(axis_dims: str, names: Sequence[str], **mesh_kwargs: Any) -> Mesh:
+def parse_mesh_from_string(
+    axis_dims: str, names: Sequence[str], *, partial: bool = False, **mesh_kwargs: Any
+) -> Mesh:
     """Builds a mesh from a string such as ``"dp:2,tp:4"`` or ``"2,4"``.
 
-    See :func:`~flax_escale.mesh.parse_mesh_shape` for the two forms. The sizes and names go to
-    :func:`~flax_escale.create_mesh`, with ``mesh_kwargs`` (``axis_types=``, ``devices=``, ...).
+    See :func:`~flax_escale.mesh.parse_mesh_shape` for the two forms and ``partial``. The sizes
+    and names go to :func:`~flax_escale.create_mesh`, with ``mesh_kwargs`` (``axis_types=``,
+    ``devices=``, ...).
 
     Args:
         axis_dims: The mesh string.
         names: The axis names the mesh must have, each exactly once.
+        partial: Whether the named form may leave axes of ``names`` out (size 1).
         **mesh_kwargs: Keyword arguments for :func:`~flax_escale.create_mesh`.
 
     Returns:
@@ -126,5 +142,5 @@ def parse_mesh_from_string(axis_dims: str, names: Sequence[str], **mesh_kwargs: 
         >>> dict(mesh.shape)
         {'tp': 4, 'dp': 2}
     """
-    sizes, order = parse_mesh_shape(axis_dims, names)
+    sizes, order = parse_mesh_shape(axis_dims, names, partial=partial)
     return create_mesh(sizes, order, **mesh_kwargs)

@@ -1,6 +1,6 @@
 import pytest
 
-from flax_escale import MeshError, create_mesh, parse_mesh_from_string
+from flax_escale import EscaleTypeError, MeshError, create_mesh, parse_mesh_from_string
 from flax_escale.mesh import parse_mesh_shape
 
 NAMES = ("dp", "fsdp", "ep", "tp", "sp")
@@ -28,6 +28,40 @@ def test_named_form_orders_mesh_axes_as_the_string():
 
 def test_positional_form_gives_the_same_mesh_as_create_mesh():
     assert parse_mesh_from_string("1,-1,1,2,1", NAMES) is create_mesh((1, -1, 1, 2, 1))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("tp:2,fsdp:4", (1, 4, 1, 2, 1)),
+        ("fsdp:-1", (1, -1, 1, 1, 1)),
+        ("sp:1,tp:2,ep:1,fsdp:2,dp:2", (2, 2, 1, 2, 1)),  # every axis named: still NAMES' order
+        ("2,2,1,2,1", (2, 2, 1, 2, 1)),
+    ],
+)
+def test_partial_strings_give_absent_axes_size_one_in_the_order_of_names(text, expected):
+    assert parse_mesh_shape(text, NAMES, partial=True) == (expected, NAMES)
+    mesh = parse_mesh_from_string(text, NAMES, partial=True)
+    assert mesh is create_mesh(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("tp:2,mp:4", r"unknown axis name 'mp' in token 'mp:4'; the axis names are \('dp', 'fsdp'"),
+        ("tp:2,tp:4", r"axis name 'tp' is repeated in token 'tp:4'"),
+        ("1,8", r"gives 2 sizes but there are 5 axis names"),  # positional: every size
+        ("tp:2,8", r"token '8' is not of the form 'name:size'"),
+    ],
+)
+def test_partial_strings_are_checked_as_strictly_otherwise(text, match):
+    with pytest.raises(MeshError, match=match):
+        parse_mesh_shape(text, NAMES, partial=True)
+
+
+def test_partial_must_be_a_bool():
+    with pytest.raises(EscaleTypeError, match=r"partial must be True or False, got str 'yes'"):
+        parse_mesh_shape("tp:2", NAMES, partial="yes")
 
 
 def test_mesh_kwargs_are_passed_on():
