@@ -16,7 +16,13 @@ from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve._fit import fit_spec
 
-__all__ = ["LayoutFigures", "device_blocks", "device_ids", "measure_layout"]
+__all__ = [
+    "LayoutFigures",
+    "device_blocks",
+    "device_ids",
+    "elements_per_device",
+    "measure_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +123,9 @@ def measure_layout(
         entry["arrays"] += 1
         entry["parameters"] += elements
         entry["bytes"] += elements * itemsize
-        for device_id, elements_here in _elements_per_device(path, shape, spec, mesh):
+        for device_id, elements_here in elements_per_device(path, shape, spec, mesh):
             per_device[device_id] += elements_here * itemsize
-        if any(mesh_axes_of(part) for part in spec):  # checked by _elements_per_device
+        if any(mesh_axes_of(part) for part in spec):  # checked by elements_per_device
             sharded += elements
     largest, smallest = max(per_device.values()), min(per_device.values())
     return into(
@@ -136,11 +142,15 @@ def measure_layout(
     )
 
 
-def _elements_per_device(
+def elements_per_device(
     path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
 ) -> Iterable[tuple[int, int]]:
-    # A spec that does not divide its dimension is a layout XLA pads, measured as it is; one
-    # that cannot exist (an axis the mesh lacks or used twice, axes past the rank) is refused.
+    """``(device id, elements it holds)`` of the array at ``path``, for every device of ``mesh``.
+
+    A spec that does not divide its dimension is a layout XLA pads, measured as it is; one that
+    cannot exist (an axis the mesh lacks or used twice, axes past the rank) raises an
+    ``EscaleError`` naming ``path``.
+    """
     _, corrections = fit_spec(spec, shape, mesh.shape)
     for problem in corrections:
         if problem.kind != "not_divisible":

@@ -27,7 +27,7 @@ from flax_escale._specs import mesh_text
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.plan._leaves import _in_opt_state
 from flax_escale.plan._plan import PlanEntry, ShardingPlan, format_bytes
-from flax_escale.sharding._measure import device_blocks, device_ids
+from flax_escale.sharding._measure import device_blocks, device_ids, elements_per_device
 
 __all__ = [
     "DeviceBlock",
@@ -388,8 +388,8 @@ def memory_by_device(plan: ShardingPlan) -> dict[int, tuple[int, int]]:
     for entry in plan:
         kind = 1 if _in_opt_state(entry.path) else 0
         itemsize = np.dtype(entry.dtype).itemsize
-        for device, block in device_blocks(entry.shape, entry.spec, plan.mesh):
-            held[device][kind] += math.prod(stop - start for start, stop in block) * itemsize
+        for device, elements in elements_per_device(entry.path, entry.shape, entry.spec, plan.mesh):
+            held[device][kind] += elements * itemsize
     return {device: (params, opt) for device, (params, opt) in held.items()}
 
 
