@@ -11,6 +11,7 @@ from flax.core import spmd as _flax_spmd
 from jax.sharding import Mesh
 
 __all__ = [
+    "compiled_devices",
     "coordination_client",
     "jax_cluster_env",
     "jax_trace_context",
@@ -106,3 +107,18 @@ def jax_trace_context() -> Any:
     except ImportError:
         return None
     return trace_context()
+
+
+def compiled_devices(lowered: Any) -> str:
+    """The platform and device kinds a lowered program compiles for (``"tpu: TPU v5 lite"``).
+
+    A program's text names neither, and two targets (XLA:CPU, a TPU slice) can lower the same
+    text. ``jax.stages.Lowered`` has no public attribute for them; its compile arguments do.
+    """
+    arguments = lowered._lowering.compile_args
+    kinds = {
+        device.device_kind
+        for sharding in (*arguments["in_shardings"], *arguments["out_shardings"])
+        for device in getattr(sharding, "device_set", ())
+    }
+    return f"{arguments['backend'].platform}: {', '.join(sorted(kinds))}"

@@ -9,6 +9,7 @@ the processes that tests start (multi-process tests, examples, the launcher).
 
 import os
 import shutil
+import tempfile
 
 import jax
 import pytest
@@ -48,15 +49,63 @@ def mesh(devices):
     return fe.create_mesh(MESHES["fsdp4_tp2"])
 
 
+# One persistent compilation cache for the whole run: the test processes (the xdist workers) and
+# every process they start (the planner's children, page programs, multi-process jobs) inherit
+# these variables, so a program compiled by any of them is compiled once. XLA:CPU's compiles
+# are what the suite spends most of its time on.
+_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": None,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The first process of a run (xdist's controller, or the only one) makes the folder; the
+    # workers it starts find it in their environment. A folder the user named is kept as is.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="flax-escale-test-compiles-")
+        config.stash[_MADE_CACHE] = folder
+        os.environ.update({**_CACHE, "JAX_COMPILATION_CACHE_DIR": folder})
+    # This process imported JAX before this hook: it is told directly.
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    for name, kind in (("COMPILE_TIME_SECS", float), ("ENTRY_SIZE_BYTES", int)):
+        value = os.environ.get(f"JAX_PERSISTENT_CACHE_MIN_{name}", "0")
+        jax.config.update(f"jax_persistent_cache_min_{name.lower()}", kind(value))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_MADE_CACHE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_MADE_CACHE = pytest.StashKey[str]()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    # -n auto: a worker per core this process may use, but no more than one per 3 GiB of memory
+    # (a worker compiling a 64-chip program holds about 2 GiB).
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(len(os.sched_getaffinity(0)), memory // (3 * 2**30)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The pod tests together would take half of CI's 90 minutes, so the whole suite skips them
-    # (and says so) unless asked for by name, as in -m pod.
-    if "pod" in config.getoption("markexpr"):
-        return
-    skip = pytest.mark.skip(reason="compiles for a 64-chip TPU slice (minutes): -m pod runs it")
+    # The longest first, so that the workers finish together rather than one of them ending the
+    # run alone with a 64-chip compile: files holding pod, slow or multiprocess tests go ahead
+    # of the others, each file's tests kept together and in order (module fixtures are made
+    # once). Stable, so the order within each class is the collection order.
+    weight = {}
     for item in items:
-        if item.get_closest_marker("pod") is not None:
-            item.add_marker(skip)
+        # Tests that share a module-scoped fixture (a plan, a compiled model) run on one worker,
+        # which makes it once.
+        definitions = item._fixtureinfo.name2fixturedefs.values()
+        if any(d.scope == "module" for defs in definitions for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix()))
+        markers = {m.name for m in item.iter_markers()}
+        rank = 0 if "pod" in markers else 1 if markers & {"slow", "multiprocess"} else 2
+        weight[item.path] = min(weight.get(item.path, 2), rank)
+    items.sort(key=lambda item: weight[item.path])
 
 
 @pytest.fixture(scope="session")

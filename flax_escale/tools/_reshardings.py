@@ -6,7 +6,10 @@ nobody asked for) and logs "Involuntary full rematerialization" from C++, straig
 process's standard error, where no Python code sees it. :func:`compile_collecting` compiles
 with that stream captured, turns those lines into :class:`Resharding` records and passes every
 other line on unchanged. JAX compiles a program once per process and reuses it after, logging
-nothing the second time, so the records are kept per program and given again.
+nothing the second time, so the records are kept per program and given again. With JAX's
+persistent compilation cache on (``jax_compilation_cache_dir``), a program compiled in another
+process comes from disk, logging nothing either: the records are kept beside JAX's entries, in
+files of the library's own, and a program found there without them is compiled afresh.
 """
 
 from __future__ import annotations
@@ -14,14 +17,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import regex
+
+from flax_escale._compat import compiled_devices
+from flax_escale.errors import EscaleError
 
 __all__ = ["Resharding", "compile_collecting", "summarize"]
 
@@ -78,31 +86,95 @@ def compile_collecting(
         jax.errors.JaxRuntimeError: What the compile raises (the caller says what it means).
     """
     key = _key(lowered, compiler_options)
-    with _standard_error_captured() as captured:
-        compiled = lowered.compile(compiler_options=compiler_options)
-    reports = tuple(
-        Resharding(m["operation"], m["shape"], m["source"], m["target"])
-        for m in _REPORT.finditer(captured.text)
-    )
+    stored = _Stored(key)
+    compiled, reports, from_disk = _compile(lowered, compiler_options)
+    if from_disk and key not in _SEEN:
+        known = stored.read()
+        if known is None:
+            # JAX's cache holds the executable from a compile that collected nothing: compile
+            # it afresh, under options that differ from it only in an inert debug flag.
+            fresh = {**(compiler_options or {}), **_FRESH}
+            compiled, reports, from_disk = _compile(lowered, fresh)
+            if from_disk:
+                raise EscaleError(
+                    f"the involuntary-rematerialization reports of {lowered.as_text()[:60]!r}... "
+                    f"are not in {stored.path}, yet JAX's persistent compilation cache "
+                    f"({jax.config.jax_compilation_cache_dir}) gave its executable twice, so "
+                    "XLA reported nothing; remove that cache folder's entries or turn the "
+                    "cache off (jax_enable_compilation_cache=False) to compile it afresh"
+                )
+        else:
+            reports = known
+    if not from_disk:
+        stored.write(reports)
     if reports or key not in _SEEN:
         _SEEN[key] = reports
     return compiled, _SEEN[key]
 
 
-def _key(lowered: jax.stages.Lowered, compiler_options: dict[str, Any] | None) -> str:
-    # The program's text names no platform; the devices its results live on do.
-    devices = sorted(
-        {
-            device.device_kind
-            for sharding in jax.tree.leaves(
-                lowered.out_info, is_leaf=lambda x: hasattr(x, "sharding")
-            )
-            if getattr(sharding, "sharding", None) is not None
-            for device in sharding.sharding.device_set
-        }
+# A debug option left at its default value: naming it changes the key of JAX's persistent
+# cache (which covers the options given) and nothing the compiler does.
+_FRESH = {"xla_embed_ir_in_executable": False}
+
+# JAX's compile-only clients (a TPU topology on a host without one) write entries to the
+# persistent cache but cannot load them; JAX warns and compiles afresh, which is what a compile
+# for a target needs anyway.
+_COMPILE_ONLY_CACHE = r"(?s)Error reading persistent compilation cache entry.*DeserializeLoaded"
+
+
+def _compile(
+    lowered: jax.stages.Lowered, compiler_options: dict[str, Any] | None
+) -> tuple[jax.stages.Compiled, tuple[Resharding, ...], bool]:
+    # The compiled program, what XLA reported while compiling it, and whether JAX's persistent
+    # cache gave it (XLA then compiled nothing and reported nothing).
+    hits: list[str] = []
+
+    def listener(event: str, **kwargs: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        with _standard_error_captured() as captured, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _COMPILE_ONLY_CACHE, UserWarning)
+            compiled = lowered.compile(compiler_options=compiler_options)
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    reports = tuple(
+        Resharding(m["operation"], m["shape"], m["source"], m["target"])
+        for m in _REPORT.finditer(captured.text)
     )
-    text = f"{devices}\n{sorted((compiler_options or {}).items())}\n{lowered.as_text()}"
-    return hashlib.sha256(text.encode()).hexdigest()
+    return compiled, reports, bool(hits)
+
+
+class _Stored:
+    """A program's reports beside JAX's persistent cache: a file of the library's own there."""
+
+    def __init__(self, key: str) -> None:
+        folder = jax.config.jax_compilation_cache_dir
+        enabled = jax.config.jax_enable_compilation_cache and folder and os.path.isdir(folder)
+        self.path = os.path.join(folder, f"flax-escale-reshardings-{key}.json") if enabled else None
+
+    def read(self) -> tuple[Resharding, ...] | None:
+        if self.path is None or not os.path.exists(self.path):
+            return None
+        with open(self.path) as file:
+            return tuple(Resharding(**fields) for fields in json.load(file))
+
+    def write(self, reports: tuple[Resharding, ...]) -> None:
+        if self.path is None:
+            return
+        # Written whole under a name of its own, then renamed: a reader never sees half a file.
+        partial = f"{self.path}.{os.getpid()}.partial"
+        with open(partial, "w") as file:
+            json.dump([dataclasses.asdict(r) for r in reports], file)
+        os.replace(partial, self.path)
+
+
+def _key(lowered: jax.stages.Lowered, compiler_options: dict[str, Any] | None) -> str:
+    # The program's text names no platform; the devices it is compiled for do.
+    text = f"{compiled_devices(lowered)}\n{sorted((compiler_options or {}).items())}\n"
+    return hashlib.sha256((text + lowered.as_text()).encode()).hexdigest()
 
 
 class _Captured:

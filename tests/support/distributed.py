@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -50,9 +51,22 @@ def without_gloo(output: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, from a range of this xdist worker's own.
+
+    Ports the system picks (binding port 0) could be handed to two workers between one
+    releasing its probe and its coordinator binding the port; each worker searches its own
+    thousand ports below the system's ephemeral range, where gloo's connections do not land.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = 20_000 + 1_000 * (worker % 12)
+    for port in random.sample(range(first, first + 1_000), 1_000):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {first}-{first + 999}")
 
 
 def run_processes(

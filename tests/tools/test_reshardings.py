@@ -5,9 +5,14 @@ array split over ``(fsdp, dp)`` on its first dimension, needed split over ``fsdp
 last; and one it does cheaply (keeping ``dp``, moving ``fsdp``), which must report nothing.
 """
 
+import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
+import pytest
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -111,3 +116,73 @@ def test_the_planner_figures_keep_them_through_json():
     # Figures cached before reshardings were collected read as none.
     older = {k: v for k, v in found.as_json().items() if k != "reshardings"}
     assert Figures.from_json(older).reshardings == ()
+
+
+# A program compiled in another process comes from JAX's persistent cache, and XLA reports
+# nothing; each step below is a fresh process sharing one cache folder.
+_PERSISTENT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.simplefilter("error")
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import flax_escale as fe
+    from flax_escale.mesh import Target
+    from flax_escale.tools._reshardings import compile_collecting
+
+    how, where = sys.argv[1:]
+    target = Target.named(where) if where != "cpu" else None
+    mesh = target.mesh((4, 2, 1, 1, 1)) if target else fe.create_mesh((4, 2, 1, 1, 1))
+    options = target.compiler_options if target else None
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32, sharding=NamedSharding(mesh, P(("fsdp", "dp"))))
+    lowered = jax.jit(
+        lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, None, "fsdp")))
+    ).lower(x)
+    if how == "plain":
+        lowered.compile(options)
+    else:
+        print("@@", [r.operation for r in compile_collecting(lowered, options)[1]])
+    """
+)
+
+
+def _in_fresh_process(how, where, cache):
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _PERSISTENT, how, where],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line[3:] for line in done.stdout.splitlines() if line.startswith("@@ ")]
+
+
+def test_a_program_from_the_persistent_cache_reports_what_its_compile_did(tmp_path):
+    # Compiled once without collecting (its executable cached, its reports nowhere), then
+    # collected twice: afresh, then from the reports kept beside the cache.
+    assert _in_fresh_process("plain", "cpu", tmp_path) == []
+    assert _in_fresh_process("collect", "cpu", tmp_path) == ["['parameter']"]
+    kept = [p.name for p in tmp_path.iterdir() if p.name.startswith("flax-escale-reshardings-")]
+    assert len(kept) == 1, kept
+    assert _in_fresh_process("collect", "cpu", tmp_path) == ["['parameter']"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the TPU compiler")
+def test_a_tpu_program_compiles_again_quietly_with_the_persistent_cache_on(tmp_path):
+    # The TPU compiler's client can write the cache's entries but not load them: JAX warns
+    # and compiles again, which compile_collecting expects (warnings are errors in the child).
+    # The same text on XLA:CPU is another program: its reports are its own.
+    for _ in range(2):
+        assert _in_fresh_process("collect", "v5e-8", tmp_path) == ["[]"]
+    assert _in_fresh_process("collect", "cpu", tmp_path) == ["['parameter']"]
