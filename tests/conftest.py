@@ -101,7 +101,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # which makes it once.
         definitions = item._fixtureinfo.name2fixturedefs.values()
         if any(d.scope == "module" for defs in definitions for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix()))
+            item.add_marker(
+                pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix())
+            )
         markers = {m.name for m in item.iter_markers()}
         rank = 0 if "pod" in markers else 1 if markers & {"slow", "multiprocess"} else 2
         weight[item.path] = min(weight.get(item.path, 2), rank)

@@ -12,8 +12,8 @@ import sys
 import textwrap
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -136,10 +136,10 @@ _PERSISTENT = textwrap.dedent(
     target = Target.named(where) if where != "cpu" else None
     mesh = target.mesh((4, 2, 1, 1, 1)) if target else fe.create_mesh((4, 2, 1, 1, 1))
     options = target.compiler_options if target else None
-    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32, sharding=NamedSharding(mesh, P(("fsdp", "dp"))))
-    lowered = jax.jit(
-        lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, None, "fsdp")))
-    ).lower(x)
+    source = NamedSharding(mesh, P(("fsdp", "dp")))
+    wanted = NamedSharding(mesh, P(None, None, "fsdp"))
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32, sharding=source)
+    lowered = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, wanted)).lower(x)
     if how == "plain":
         lowered.compile(options)
     else:
