@@ -51,6 +51,9 @@ _CHILD = textwrap.dedent(
         except ValueError:  # the model cannot run there, as the planner finds it
             found(shape, None)
             continue
+        if not {compile}:
+            found(shape, "lowered")
+            continue
         print("@@compiling", file=sys.stderr, flush=True)
         try:
             reports = compile_collecting(step, target.compiler_options)[1]
@@ -70,6 +73,7 @@ def step_reshardings(
     target: str = "cpu",
     axis_types: str | None = None,
     candidates: bool = False,
+    compile: bool = True,
 ) -> dict[tuple[int, ...], list[str] | str | None]:
     """``{mesh shape: [resharding, ...]}`` for ``factory()``'s step, the workload in ``path``.
 
@@ -81,7 +85,8 @@ def step_reshardings(
     ``Target.named`` name of ``devices`` devices; ``axis_types`` as ``create_mesh`` takes it
     (``"explicit"`` for a model that names mesh axes in its own ``out_sharding``). With
     ``candidates``, the meshes the planner prunes (its batch does not split there, an axis
-    would be idle) are left out of the result, as the planner leaves them uncompiled.
+    would be idle) are left out of the result, as the planner leaves them uncompiled. Without
+    ``compile``, a mesh the step lowers on maps to ``"lowered"``: nothing is compiled.
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -97,6 +102,7 @@ def step_reshardings(
             target=target,
             axis_types=axis_types,
             candidates=candidates,
+            compile=compile,
             shapes=left,
         )
         done = subprocess.run(
