@@ -32,7 +32,7 @@ from flax_escale.resolve import RulesLike
 from flax_escale.sharding._context import sharding_context
 from flax_escale.tools._data import batch_sharding
 
-__all__ = ["Programs", "Workload", "lower_programs", "mean_square"]
+__all__ = ["Programs", "Workload", "lower_programs", "lower_step", "mean_square"]
 
 
 def mean_square(outputs: Any, *batch: Any) -> jax.Array:
@@ -261,6 +261,26 @@ def lower_programs(workload: Workload, mesh: Mesh, plan: ShardingPlan | None = N
     """
     plan = workload.plan(mesh) if plan is None else plan
     init = workload.lower_init(mesh)
+    step, state_bytes = _lower_step(workload, mesh, plan)
+    return Programs(plan, init, step, state_bytes)
+
+
+def lower_step(
+    workload: Workload, mesh: Mesh, plan: ShardingPlan | None = None
+) -> jax.stages.Lowered:
+    """The training step of :func:`lower_programs` alone, for a caller that needs no init.
+
+    Raises:
+        EscaleTypeError: As :func:`lower_programs`.
+        EscaleError: As :func:`lower_programs`.
+    """
+    return _lower_step(workload, mesh, workload.plan(mesh) if plan is None else plan)[0]
+
+
+def _lower_step(
+    workload: Workload, mesh: Mesh, plan: ShardingPlan
+) -> tuple[jax.stages.Lowered, int]:
+    # The step lowered, and the train state's bytes on the device that holds the most.
     state, step = (_linen_state if workload.is_linen else _nnx_state)(workload, mesh, plan)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     batch = batch_shardings(workload, mesh)
@@ -276,7 +296,7 @@ def lower_programs(workload: Workload, mesh: Mesh, plan: ShardingPlan | None = N
     ]
     with sharding_context(mesh, workload.options.rules):
         lowered = jitted.lower(state, *examples)
-    return Programs(plan, init, lowered, _max_device_bytes(state))
+    return lowered, _max_device_bytes(state)
 
 
 def _abstract(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:

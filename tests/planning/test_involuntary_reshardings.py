@@ -61,7 +61,7 @@ def test_no_layout_of_the_example_replicates_an_array_to_reshard_it(example, tar
 
 
 # The meshes each compiles: every layout of 8 devices for the real models (Gemma's but four),
-# the planner's candidates for the Llama-shaped one (sp does not divide its 257 tokens). lm1b
+# the planner's candidates for the Llama-shaped one (sp does not divide its 65 tokens). lm1b
 # as written on the TPU compiler, and gathered at use on XLA:CPU, where as written it has six.
 CASES = {
     ("lm1b_gathered", "cpu"): 20,

@@ -26,7 +26,7 @@ _CHILD = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", {devices})
     from flax_escale.mesh import Target
     from flax_escale.planning._evaluate import _prune
-    from flax_escale.planning._workload import lower_programs
+    from flax_escale.planning._workload import lower_step
     from flax_escale.tools._reshardings import compile_collecting
 
     sys.path[:0] = [{tests!r}, {folder!r}]
@@ -44,10 +44,13 @@ _CHILD = textwrap.dedent(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a correction is not what is measured here
-                if {candidates} and _prune(workload, mesh)[0]:
-                    found(shape, "pruned")  # the planner would not compile it either
-                    continue
-                step = lower_programs(workload, mesh, workload.plan(mesh)).step
+                plan = None
+                if {candidates}:
+                    reason, plan = _prune(workload, mesh)[:2]
+                    if reason:
+                        found(shape, "pruned")  # the planner would not compile it either
+                        continue
+                step = lower_step(workload, mesh, plan)  # the planner's step, on its plan
         except ValueError:  # the model cannot run there, as the planner finds it
             found(shape, None)
             continue

@@ -78,10 +78,18 @@ def gemma() -> Workload:
     )
 
 
+LLAMA_LENGTH = 65
+
+
 def llama() -> Workload:
-    """The NNX example at Llama's vocabulary, 4 layers of width 512 (8 heads), 256 tokens."""
+    """The NNX example at Llama's vocabulary, 4 layers of width 512 (8 heads), 64 tokens.
+
+    The layout, not the length, is what the surveys check: 64 tokens (65 read, the labels
+    shifted) keep the odd length that ``sp`` does not divide, at half the TPU compiler's time
+    of 256.
+    """
     example = load("nnx_llama")
-    return example.workload(_llama_config(example), batch=16, length=257)
+    return example.workload(_llama_config(example), batch=16, length=LLAMA_LENGTH)
 
 
 def _llama_config(example: ModuleType) -> Any:
@@ -98,4 +106,4 @@ def lm1b_gathered() -> Workload:
 def llama_64() -> Workload:
     """:func:`llama` with a batch of 64 sequences, which splits over 64 devices."""
     example = load("nnx_llama")
-    return example.workload(_llama_config(example), batch=64, length=257)
+    return example.workload(_llama_config(example), batch=64, length=LLAMA_LENGTH)
