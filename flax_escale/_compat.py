@@ -114,11 +114,15 @@ def compiled_devices(lowered: Any) -> str:
 
     A program's text names neither, and two targets (XLA:CPU, a TPU slice) can lower the same
     text. ``jax.stages.Lowered`` has no public attribute for them; its compile arguments do.
+    A JAX whose ``Lowered`` keeps them elsewhere gives ``"unknown"``: XLA:CPU and TPU
+    programs of one text then share a key.
     """
-    arguments = lowered._lowering.compile_args
+    arguments = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if not isinstance(arguments, dict) or "backend" not in arguments:
+        return "unknown"
     kinds = {
         device.device_kind
-        for sharding in (*arguments["in_shardings"], *arguments["out_shardings"])
+        for sharding in (*arguments.get("in_shardings", ()), *arguments.get("out_shardings", ()))
         for device in getattr(sharding, "device_set", ())
     }
     return f"{arguments['backend'].platform}: {', '.join(sorted(kinds))}"

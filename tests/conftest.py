@@ -94,7 +94,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest first, so that the workers finish together rather than one of them ending the
     # run alone with a 64-chip compile: files holding pod, slow or multiprocess tests go ahead
     # of the others, each file's tests kept together and in order (module fixtures are made
-    # once). Stable, so the order within each class is the collection order.
+    # once). Stable, so the order within each class is the collection order. xdist hands out
+    # the xdist_group units first, the largest first, then the single tests in this order.
     weight = {}
     for item in items:
         # Tests that share a module-scoped fixture (a plan, a compiled model) run on one worker,
