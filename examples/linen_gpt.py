@@ -27,6 +27,8 @@ from flax_escale import linen as fel
 from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
+# Rows of an embedding table as looked up: the features whole (see the model's lookup).
+LOOKED_UP = ("batch", "sequence", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,12 @@ class Gpt(nn.Module):
         position = nn.Embed(c.max_len, c.hidden, name="position")
         # As FSDP gathers any weight whole before its use, the tables are gathered over the
         # axes that split their features before the lookup: a gather cannot keep the features
-        # split, and XLA would otherwise replicate what it looked up to split it again.
-        x = jnp.take(fe.constrain(token.embedding, ("vocab", None)), tokens, axis=0)
+        # split, and XLA would otherwise replicate what it looked up to split it again. The rows
+        # looked up keep their features whole too, so that the gradient's scatter-add lands in
+        # the table's vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then
+        # replicate the table's gradient to split its vocab).
+        table = fe.constrain(token.embedding, ("vocab", None))
+        x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
         x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
         x = fe.constrain(x, ACTIVATION)
         stack = nn.scan(

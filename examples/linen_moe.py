@@ -30,6 +30,8 @@ from flax_escale import moe
 from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
+# Rows of an embedding table as looked up: the features whole (see the model's lookup).
+LOOKED_UP = ("batch", "sequence", None)
 
 
 @fe.sharded_module(
@@ -121,7 +123,8 @@ class MoeDecoder(nn.Module):
         token = nn.Embed(c.vocab, c.hidden, name="token")
         position = nn.Embed(c.max_len, c.hidden, name="position")
         # Gathered over the axes that split the features before the lookup (see linen_gpt).
-        x = jnp.take(fe.constrain(token.embedding, ("vocab", None)), tokens, axis=0)
+        table = fe.constrain(token.embedding, ("vocab", None))
+        x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
         x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
         x = fe.constrain(x, ACTIVATION)
         stack = nn.scan(

@@ -27,6 +27,8 @@ from flax_escale import nnx as fen
 from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
+# Rows of an embedding table as looked up: the features whole (see the model's lookup).
+LOOKED_UP = ("batch", "sequence", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +138,12 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # As FSDP gathers any weight whole before its use, the table is gathered over the axes
         # that split its features before the lookup: a gather cannot keep the features split,
-        # and XLA would otherwise replicate what it looked up to split it again.
+        # and XLA would otherwise replicate what it looked up to split it again. The rows looked
+        # up keep their features whole too, so that the gradient's scatter-add lands in the
+        # table's vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then
+        # replicate the table's gradient to split its vocab).
         table = fe.constrain(self.embed.embedding[...], ("vocab", None))
-        x = fe.constrain(jnp.take(table, tokens, axis=0), ACTIVATION)
+        x = fe.constrain(fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP), ACTIVATION)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=fen.stacked())
         def run(x: jax.Array, block: Block) -> jax.Array:

@@ -25,6 +25,8 @@ from flax_escale import nnx as fen
 from flax_escale.planning import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
+# Rows of an embedding table as looked up: the features whole (see the model's lookup).
+LOOKED_UP = ("batch", "sequence", None)
 
 
 @fe.sharded_module(
@@ -117,7 +119,7 @@ class MoeDecoder(nnx.Module):
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         # Gathered over the axes that split the features before the lookup (see nnx_llama).
         table = fe.constrain(self.embed.embedding[...], ("vocab", None))
-        x = fe.constrain(jnp.take(table, tokens, axis=0), ACTIVATION)
+        x = fe.constrain(fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP), ACTIVATION)
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0),

@@ -243,8 +243,8 @@ def init(request: Request) -> Any:
 
 @contextlib.contextmanager
 def _lowering(request: Request) -> Iterator[None]:
-    # Under the mesh's Auto twin: values bit-equal to the same initializer jitted on one
-    # device (on Explicit axes JAX would shard every intermediate and change XLA's fusions).
+    # Under the mesh's Auto twin: the values of the same initializer jitted on one device (on
+    # Explicit axes JAX would shard every intermediate and change XLA's fusions).
     with (
         sharding_context(with_auto_axes(request.mesh), request.options.rules),
         request.front_end.tracing(),

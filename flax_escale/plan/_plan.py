@@ -190,15 +190,17 @@ class ShardingPlan:
         Args:
             text: What ``to_json`` returned.
             mesh: A mesh of the recorded axes and sizes, for shardings on real devices;
-                ``None`` gives an abstract mesh of that shape (devices numbered in mesh order).
+                ``None`` gives an abstract mesh of that shape and of the recorded axis types
+                (Auto for JSON written before they were recorded), whatever the installed
+                JAX's default.
 
         Returns:
             The plan.
 
         Raises:
             EscaleTypeError: If ``text`` is not a string.
-            EscaleError: If it is not a plan's JSON of this format, or ``mesh`` has another
-                shape.
+            EscaleError: If it is not a plan's JSON of this format, its axis types are not
+                JAX's, or ``mesh`` has another shape.
 
         Example:
             >>> import flax.linen as nn

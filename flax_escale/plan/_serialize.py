@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
@@ -37,6 +37,9 @@ def plan_to_json(plan: ShardingPlan) -> str:
         "format": FORMAT,
         # (pairs, not an object: keys are sorted when written, and the axes' order matters)
         "mesh": [[axis, size] for axis, size in plan.mesh.shape.items()],
+        # Auto, Explicit or Manual per axis: what a bare AbstractMesh defaults to changed
+        # with JAX 0.12 (Explicit), so the kind is written rather than left to the reader's JAX.
+        "axis_types": [t.name for t in plan.mesh.axis_types],
         "rules": None if plan.rules is None else _rules(plan.rules),
         "notes": list(plan.notes),
         "arrays": [_entry(e) for e in plan.entries],
@@ -71,7 +74,7 @@ def plan_from_json(text: str, mesh: Mesh | AbstractMesh | None = None) -> Shardi
             "snapshot again with this version."
         )
     sizes = {str(axis): int(size) for axis, size in data["mesh"]}
-    mesh = _mesh(sizes, mesh)
+    mesh = _mesh(sizes, data.get("axis_types"), mesh)
     mesh_shape = tuple(sizes.items())
     entries = []
     for array in sorted(data["arrays"], key=lambda a: a["path"]):
@@ -200,9 +203,21 @@ def _frozen_rules(data: list[list[Any]]) -> tuple[tuple[str, Any], ...]:
     return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in data)
 
 
-def _mesh(sizes: dict[str, int], mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
+def _mesh(
+    sizes: dict[str, int], types: list[str] | None, mesh: Mesh | AbstractMesh | None
+) -> Mesh | AbstractMesh:
     if mesh is None:
-        return AbstractMesh(tuple(sizes.values()), tuple(sizes))
+        # JSON written before the types were recorded loads on Auto axes: what a bare
+        # AbstractMesh had in the JAX versions that wrote it.
+        types = ["Auto"] * len(sizes) if types is None else types
+        known = {t.name for t in AxisType}
+        if len(types) != len(sizes) or not set(types) <= known:
+            raise EscaleError(
+                f"ShardingPlan.from_json: axis_types {types!r} are not one of {sorted(known)} "
+                f"per axis of the mesh {sizes}; pass what ShardingPlan.to_json() wrote."
+            )
+        kinds = tuple(AxisType[t] for t in types)
+        return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=kinds)
     given = dict(getattr(mesh, "shape", {}) or {})
     if not isinstance(mesh, (Mesh, AbstractMesh)) or given != sizes:
         raise EscaleError(

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.values import assert_same_values
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -31,12 +32,6 @@ def plain(x):
     """``x``, checked to be what the model reads without the library: an array, not a box."""
     assert isinstance(x, jax.Array), f"the model read a {type(x).__name__}, not an array"
     return x
-
-
-def assert_bit_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def spec_of(tree, path):
@@ -84,7 +79,7 @@ class OurTiedLmHead(TiedLmHead):  # decorating a subclass, as for a model from e
 def test_linen_tied_head_reads_a_plain_embedding_and_is_born_sharded(mesh):
     model = OurTiedLmHead()
     variables = fe.init_sharded(model, mesh, KEY, IDS)
-    assert_bit_equal(variables, jax.jit(TiedLmHead().init)(KEY, IDS))
+    assert_same_values(variables, jax.jit(TiedLmHead().init)(KEY, IDS))
     assert spec_of(variables, "params/transformer/wte/embedding") == P("tp", HIDDEN)
     assert spec_of(variables, "params/transformer/h/kernel") == P(HIDDEN, "tp")
     plan = fe.plan_sharding(model, mesh, KEY, IDS)
@@ -106,7 +101,7 @@ def test_linen_plain_init_returns_boxes_the_model_never_saw(mesh):
     assert params["wte"]["embedding"].names == ("vocab", "hidden_state")
     assert params["h"]["kernel"].names == ("hidden_state", "mlp_intermediate")
     assert not isinstance(params["ln_f"]["scale"], nn.Partitioned)
-    assert_bit_equal(nn.unbox(variables), TiedLmHead().init(KEY, IDS))
+    assert_same_values(nn.unbox(variables), TiedLmHead().init(KEY, IDS))
     np.testing.assert_array_equal(
         OurTiedLmHead().apply(variables, IDS), TiedLmHead().apply(nn.unbox(variables), IDS)
     )
@@ -122,7 +117,7 @@ def test_linen_plain_init_returns_boxes_the_model_never_saw(mesh):
 def test_linen_train_state_path_with_a_tied_head(mesh):
     state = fel.init_train_state(OurTiedLmHead(), mesh, KEY, IDS, tx=optax.adam(1e-2))
     reference = jax.jit(TiedLmHead().init)(KEY, IDS)["params"]
-    assert_bit_equal(state.params, reference)
+    assert_same_values(state.params, reference)
     assert spec_of(state.params, "transformer/wte/embedding") == P("tp", HIDDEN)
     assert spec_of(state.opt_state[0].mu, "transformer/wte/embedding") == P("tp", HIDDEN)
 
@@ -177,7 +172,7 @@ NET_AXES = {
 def test_linen_variables_read_in_setup_and_compact_code_are_plain(mesh):
     model = fe.sharded_module(NET_AXES)(type("DeclaredNet", (Net,), {}))()
     variables = fe.init_sharded(model, mesh, KEY, IDS)
-    assert_bit_equal(variables, jax.jit(Net().init)(KEY, IDS))
+    assert_same_values(variables, jax.jit(Net().init)(KEY, IDS))
     assert spec_of(variables, "params/embed/embedding") == P("tp", HIDDEN)
     assert spec_of(variables, "params/block/up/kernel") == P(HIDDEN, "tp")
     plan = fe.plan_sharding(model, mesh, KEY, IDS)
@@ -200,7 +195,7 @@ def test_linen_a_decorated_child_called_twice_reads_plain_arrays_both_times():
 
     variables = Twice(declared).init(KEY, X)
     assert variables["params"]["block"]["up"]["kernel"].names == KERNEL
-    assert_bit_equal(nn.unbox(variables), jax.jit(Twice().init)(KEY, X))
+    assert_same_values(nn.unbox(variables), jax.jit(Twice().init)(KEY, X))
 
 
 # Linen: lifted transforms. The scan body reads its child's variables; the enclosing module
@@ -253,7 +248,7 @@ def declared_in_the_body():
 def test_linen_scan_reads_plain_kernels_inside_and_after(mesh, make):
     model = make()
     variables = fe.init_sharded(model, mesh, KEY, X)
-    assert_bit_equal(variables, jax.jit(Scanned().init)(KEY, X))
+    assert_same_values(variables, jax.jit(Scanned().init)(KEY, X))
     assert spec_of(variables, "params/stack/wi/kernel") == P(None, HIDDEN, "tp")
     plan = fe.plan_sharding(model, mesh, KEY, X)
     assert plan["params/stack/wi/kernel"].annotation.logical_axes == ("layers", *KERNEL)
@@ -292,7 +287,7 @@ def test_linen_remat_body_and_its_caller_read_plain_arrays(mesh):
     axes = {"up/kernel": NET_AXES["up/kernel"], "up/bias": NET_AXES["up/bias"]}
     model = fe.sharded_module(axes)(type("DeclaredRematted", (Rematted,), {}))()
     variables = fe.init_sharded(model, mesh, KEY, X)
-    assert_bit_equal(variables, jax.jit(Rematted().init)(KEY, X))
+    assert_same_values(variables, jax.jit(Rematted().init)(KEY, X))
     assert spec_of(variables, "params/block/up/kernel") == P(HIDDEN, "tp")
     assert model.init(KEY, X)["params"]["block"]["up"]["bias"].names == ("mlp_intermediate",)
 
@@ -330,7 +325,7 @@ def test_nnx_tied_head_reads_plain_values_and_is_born_sharded(mesh):
     model = fe.init_sharded(OurNnxTied, mesh, 0)
     reference = jax.jit(lambda key: nnx.state(NnxTied(nnx.Rngs(key))))(jax.random.key(0))
     # Values only: the module's variables carry their specs in metadata.
-    assert_bit_equal(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(reference))
+    assert_same_values(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(reference))
     assert model.wte.embedding.get_value().sharding.spec == P("tp", HIDDEN)
     assert model.h.kernel.get_value().sharding.spec == P(HIDDEN, "tp")
     assert model.head_bias.get_value().sharding.spec == P("tp")

@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from support.values import assert_same_value
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -50,7 +51,7 @@ def test_overrides_replace_the_models_own_annotation_and_fill_unannotated_ones()
     for path in (("Dense_0", "kernel"), ("out", "kernel")):
         got = variables["params"][path[0]][path[1]]
         assert got.sharding.spec == P("tp", ("fsdp", "sp"))
-        np.testing.assert_array_equal(got, expected["params"][path[0]][path[1]])
+        assert_same_value(got, expected["params"][path[0]][path[1]], "/".join(path))
 
 
 def test_overridden_parameters_carry_their_optimizer_state_with_them():

@@ -26,7 +26,7 @@ from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.planning._hlo import program_costs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 MESHES = {
     "ep8": (1, 1, 8, 1, 1),

@@ -12,7 +12,7 @@ from support import EXAMPLES
 import flax_escale as fe
 from flax_escale import nnx as fen
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 
 @pytest.fixture(scope="module")

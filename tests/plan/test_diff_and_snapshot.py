@@ -1,6 +1,7 @@
 """``ShardingPlan.diff``, ``to_json``/``from_json`` and ``flax_escale.testing``'s snapshots."""
 
 import functools
+import json
 import warnings
 
 import flax.linen as nn
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 from support import example_modules
 
@@ -88,6 +89,26 @@ def test_a_plan_with_corrections_and_completions_round_trips():
     assert loaded.shardings()["params/Dense_0/kernel"].spec == plan["params/Dense_0/kernel"].spec
 
 
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_loaded_plan_keeps_its_mesh_axis_types(kind):
+    # The JSON says which kind of axes the plan was made on: a bare AbstractMesh's default
+    # changed with JAX 0.12 (Explicit), and a loaded plan must not change kind with it.
+    mesh = fe.create_mesh((1, 4, 1, 2, 1), axis_types=kind)
+    plan = fe.plan_sharding(_Mlp(), mesh, 0, X)
+    text = plan.to_json()
+    assert f'"axis_types": {json.dumps([kind.capitalize()] * 5)}' in text
+    assert fe.ShardingPlan.from_json(text).mesh.axis_types == mesh.axis_types
+
+
+def test_a_plan_written_without_axis_types_loads_on_auto_axes():
+    plan = _plan()
+    data = json.loads(plan.to_json())
+    del data["axis_types"]
+    loaded = fe.ShardingPlan.from_json(json.dumps(data))
+    assert loaded.mesh.axis_types == (AxisType.Auto,) * 5
+    assert loaded.specs() == {e.path: e.spec for e in plan}
+
+
 def test_from_json_refuses_what_to_json_did_not_write():
     text = _plan().to_json()
     with pytest.raises(EscaleTypeError, match=r"text must be the JSON string to_json\(\) wrote"):
@@ -99,6 +120,12 @@ def test_from_json_refuses_what_to_json_did_not_write():
     other = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.raises(EscaleError, match=r"is not the plan's mesh \{'dp': 1, 'fsdp': 4"):
         fe.ShardingPlan.from_json(text, other)
+    bad = text.replace('"axis_types": ["Auto", ', '"axis_types": ["Implicit", ', 1)
+    with pytest.raises(EscaleError, match=r"axis_types \['Implicit', 'Auto'.*are not one of"):
+        fe.ShardingPlan.from_json(bad)
+    short = text.replace('"axis_types": ["Auto", ', '"axis_types": [', 1)
+    with pytest.raises(EscaleError, match=r"per axis of the mesh \{'dp': 1, 'fsdp': 4"):
+        fe.ShardingPlan.from_json(short)
 
 
 def test_diff_of_two_meshes_lists_specs_and_bytes():

@@ -17,13 +17,17 @@ has six on XLA:CPU unless its parameters are gathered where they are read
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from support import EXAMPLES, ROOT
 from support.reshardings import step_reshardings
 
 from flax_escale.planning import mesh_shapes
+from flax_escale.tools._reshardings import compile_collecting
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 SHAPES = [tuple(s.values()) for s in mesh_shapes(8, ("dp", "fsdp", "tp", "sp"))]
 WORKLOADS = str(ROOT / "tests" / "support" / "real_models" / "workloads.py")
@@ -75,15 +79,47 @@ CASES = {
 }
 
 
-# jaxlib 0.11's XLA:CPU, on 5 of Gemma's 16 Explicit meshes (those with dp or sp besides
-# fsdp): an HLO parameter of f32[4,16,64] per device, split over fsdp, is replicated to be split
-# again ("parameter" and "copy" reports). Seen with 0.11.2; not with 0.10.2 nor on the TPU
-# compiler; not yet traced to a constraint the library could give.
+# jaxlib >= 0.11's XLA:CPU, on 5 of Gemma's 16 Explicit meshes (those where dp or sp is idle
+# beside fsdp): Gemma's embedding table splits its features over fsdp and its lookup gives the
+# rows batch-split (out_sharding=), so the gradient's scatter-add wants the rows' cotangent
+# feature-split; XLA:CPU replicates it over the idle axis to get there ("parameter" and "copy"
+# reports). Gemma's own layout, unchanged by the test's point; the behaviour is XLA's and
+# shows without the library (test_xla_cpu_replicates_an_explicit_lookups_cotangent).
 _XLA_CPU_011_GEMMA = pytest.mark.xfail(
     jax.__version_info__ >= (0, 11),
-    reason="jaxlib 0.11 XLA:CPU replicates an array of Gemma's on 5 Explicit meshes",
+    reason="jaxlib >= 0.11 XLA:CPU replicates the cotangent of Gemma's Explicit lookup",
     strict=True,
 )
+
+
+def test_xla_cpu_replicates_an_explicit_lookups_cotangent_on_a_mesh_with_an_idle_axis():
+    # The reproducer of Gemma's case in plain JAX: a table split over fsdp on its features,
+    # looked up batch-split on an Explicit mesh, its gradient taken. jaxlib 0.10's XLA:CPU
+    # partitions the gradient's scatter-add as it is; from 0.11 it replicates the cotangent
+    # over dp, which splits nothing here, to split its features; with no idle axis, it does
+    # not. When a JAX release changes this, the Gemma case's expected failure flags it.
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+
+    def reports(shape):
+        mesh = jax.make_mesh(shape, ("dp", "fsdp"), axis_types=explicit)
+        table = jax.ShapeDtypeStruct(
+            (128, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp"))
+        )
+        ids = jax.ShapeDtypeStruct(
+            (8, 16), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None))
+        )
+
+        def loss(table, ids):
+            return jnp.tanh(table.at[ids].get(out_sharding=P("fsdp", None, None)) * 8.0).sum()
+
+        with jax.set_mesh(mesh):
+            return compile_collecting(jax.jit(jax.grad(loss)).lower(table, ids))[1]
+
+    idle_dp = reports((2, 4))
+    assert [r.operation for r in idle_dp] == (
+        ["parameter", "copy"] if jax.__version_info__ >= (0, 11) else []
+    ), idle_dp
+    assert reports((1, 8)) == ()
 
 
 @pytest.mark.parametrize(

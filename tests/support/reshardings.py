@@ -15,8 +15,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
-
 from support import ROOT
 
 _CHILD = textwrap.dedent(
@@ -122,26 +120,4 @@ def step_reshardings(
         # failed; the others are compiled in a new process.
         assert "@@compiling" in done.stderr, done.stderr[-4000:]
         results[left.pop(0)] = f"the compiler aborted (exit {done.returncode})"
-    kept = {s: results[s] for s in map(tuple, shapes) if results.get(s) != "pruned"}
-    if target == "cpu" and jax.__version_info__ >= (0, 11):
-        kept = {
-            s: [r for r in found if not _embedding_gradient_on_jax_011(r)]
-            if isinstance(found, list)
-            else found
-            for s, found in kept.items()
-        }
-    return kept
-
-
-def _embedding_gradient_on_jax_011(report: str) -> bool:
-    """The one resharding jaxlib 0.11's XLA:CPU adds, known and left for now.
-
-    A table gathered over its features before the lookup (``("vocab", None)``, as the
-    examples and MoE workloads do) gets its gradient from a scatter-add that XLA:CPU 0.11
-    partitions with the cotangent's feature split, then replicates to give it the table's vocab
-    split over tp: a scatter and an all-reduce of the table's shape, reported on meshes with tp
-    (jaxlib 0.10's XLA:CPU and the TPU compiler report nothing there). Any other report, on
-    any version, still fails the tests.
-    """
-    operation, _, rest = report.partition(" ")
-    return operation in ("scatter", "all-reduce") and rest.endswith("[{'tp'}, {}]}")
+    return {s: results[s] for s in map(tuple, shapes) if results.get(s) != "pruned"}

@@ -39,7 +39,7 @@ from support.real_models.harness import (
 import flax_escale as fe
 from flax_escale import nnx as fen
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 SHD = gm.ShardingConfig.fsdp_tp_sharding()  # the example's layout; its axes are fsdp and tp
 CONFIG = gm.small_config(SHD)

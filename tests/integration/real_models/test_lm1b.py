@@ -39,7 +39,7 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale.t5x import standard_logical_axis_rules
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 RULES = fe.PartitionAxis().with_aliases("t5x")
 TOKENS = token_batch()

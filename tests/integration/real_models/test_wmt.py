@@ -35,7 +35,7 @@ from support.real_models.wmt_annotated import AnnotatedTransformer
 
 import flax_escale as fe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 RULES = fe.PartitionAxis().with_aliases("t5x")
 INPUTS = token_batch(seed=1)
