@@ -51,10 +51,10 @@ def mesh(devices):
 
 # One persistent compilation cache for the whole run: the test processes (the xdist workers) and
 # every process they start (the planner's children, page programs, multi-process jobs) inherit
-# these variables, so a program compiled by any of them is compiled once. XLA:CPU's compiles
-# are what the suite spends most of its time on.
-_CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": None,
+# the folder's variable and these minimums of 0 (every program is kept, however quick or small
+# its compile), so a program compiled by any of them is compiled once. XLA:CPU's compiles are
+# what the suite spends most of its time on.
+_EVERY_PROGRAM = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         folder = tempfile.mkdtemp(prefix="flax-escale-test-compiles-")
         config.stash[_MADE_CACHE] = folder
-        os.environ.update({**_CACHE, "JAX_COMPILATION_CACHE_DIR": folder})
+        os.environ.update({**_EVERY_PROGRAM, "JAX_COMPILATION_CACHE_DIR": folder})
     # This process imported JAX before this hook: it is told directly.
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     for name, kind in (("COMPILE_TIME_SECS", float), ("ENTRY_SIZE_BYTES", int)):
