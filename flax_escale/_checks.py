@@ -709,26 +709,39 @@ def tree_of_arrays(value: Any, argument: str) -> Any:
 def rng(value: Any, argument: str = "rng") -> Any:
     """A PRNG key, an int seed, or a dict of them by stream name; returned unchanged.
 
+    A key is one typed key (``jax.random.key``) or one raw ``uint32`` key of shape ``(2,)``
+    (``jax.random.PRNGKey``).
+
     Raises:
-        EscaleTypeError: For ``None``, a bool, a float, a string, or an array of floats.
+        EscaleTypeError: For ``None``, a bool, a float, a string, a list, an ``nnx.Rngs``
+            (the entry points build it from the seed), an array of keys or of floats, or an
+            integer array (a seed is a Python int).
     """
     if isinstance(value, dict):
         for stream, seed in value.items():
             rng(seed, f"{argument}[{stream!r}]")
         return value
-    dtype = getattr(value, "dtype", None)
-    bad = (
-        value is None
-        or isinstance(value, (bool, float, complex, str, bytes))
-        or (
-            dtype is not None
-            and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-            and not np.issubdtype(dtype, np.integer)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return value
+    fix, shown = "pass jax.random.key(0) or 0", describe(value)
+    if type(value).__module__.startswith("flax.nnx"):
+        # nnx.Rngs answers any attribute (dtype, shape) with a stream, so it is told apart
+        # by where its class lives, before anything reads its attributes.
+        fix = (
+            "the entry points build the module's nnx.Rngs from a seed or key themselves (as "
+            "model(..., rngs=nnx.Rngs(rng))), so pass the seed or key you would give nnx.Rngs: "
+            "0 or jax.random.key(0), or a dict of them by stream name such as "
+            "{'params': 0, 'dropout': 1}"
         )
-    )
-    if bad:
-        raise EscaleTypeError(
-            f"{argument} must be a PRNG key or an int seed, got {describe(value)}; pass "
-            "jax.random.key(0) or 0."
-        )
-    return value
+        shown = f"an nnx.{type(value).__name__}"  # whose repr runs for lines
+    elif isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        dtype, shape = value.dtype, tuple(value.shape)
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+            return value
+        if dtype == np.uint32 and shape == (2,):
+            return value
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            fix = "pass one key, e.g. keys[0]; a model is initialized from one key per stream"
+        elif np.issubdtype(dtype, np.integer) and shape == ():
+            fix = "pass the seed as a Python int, int(seed), or make it a key: jax.random.key(seed)"
+    raise EscaleTypeError(f"{argument} must be a PRNG key or an int seed, got {shown}; {fix}.")

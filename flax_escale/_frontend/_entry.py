@@ -246,6 +246,12 @@ def front_end(model: Any) -> pipeline.FrontEnd:
         )
     if callable(model) and not isinstance(model, nnx.Module):
         return nnx_init.FRONT_END
+    if isinstance(model, nnx.Module):
+        raise EscaleTypeError(
+            f"model is an NNX module already built (a {type(model).__name__}); the entry points "
+            "build it themselves, born sharded: pass its class, or a function that builds it "
+            f"from its rngs, such as lambda rngs: {type(model).__name__}(..., rngs=rngs)."
+        )
     raise EscaleTypeError(
         "model must be a flax.linen.Module instance, or an NNX module class or a callable "
         f"taking rngs= that builds the module, got {check.describe(model)}."

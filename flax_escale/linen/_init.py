@@ -140,6 +140,7 @@ class LinenFrontEnd:
         """Checks that ``model`` is a Linen module and ``method`` one of its methods."""
         _check_model(model)
         _check_method(model, method)
+        _check_inputs(model, method, args, kwargs)
         return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
 
     def trace(self, call: pipeline.ModelCall, mesh: Mesh, options: InitOptions) -> pipeline.Traced:
@@ -233,6 +234,44 @@ def _check_method(model: nn.Module, method: Any) -> None:
             f"{check.describe(method)}; {hint}."
         )
     raise EscaleError(f"method {method!r} is not a method of {cls.__name__}; {hint}.")
+
+
+# model.init's own keywords, which it does not pass on to the method.
+_INIT_KEYWORDS = frozenset({"mutable", "capture_intermediates"})
+
+
+def _check_inputs(model: nn.Module, method: Any, args: tuple, kwargs: dict) -> None:
+    # Checked here: a missing input otherwise surfaces as Python's error from inside the
+    # traced init, which says nothing of where the inputs come from.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if not (hasattr(leaf, "shape") or isinstance(leaf, (bool, int, float, complex))):
+            raise EscaleTypeError(
+                f"model: example input inputs{jax.tree_util.keystr(path)} is "
+                f"{check.describe(leaf)}, which model.init cannot trace as an array; pass "
+                "arrays (or jax.ShapeDtypeStruct) as inputs, and settings as the module's "
+                "attributes."
+            )
+    name = "__call__" if method is None else method
+    if not isinstance(name, str):
+        return  # a function given as method: Flax passes it the module too
+    try:
+        signature = inspect.signature(getattr(model, name))
+    except (TypeError, ValueError):
+        return  # nothing to read; the call will say
+    keywords = {key: value for key, value in kwargs.items() if key not in _INIT_KEYWORDS}
+    try:
+        signature.bind(*args, **keywords)
+    except TypeError as error:
+        plain = [
+            p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
+        ]
+        shown = f"{type(model).__name__}.{name}{inspect.Signature(plain)}"
+        raise EscaleTypeError(
+            f"model: {shown} cannot be called with the {len(args)} example input(s) "
+            f"{'and the keywords ' + ', '.join(keywords) + ' ' if keywords else ''}given "
+            f"({error}); pass the example inputs after rng, as init_sharded(model, mesh, rng, "
+            "*inputs), and its keyword arguments by name."
+        ) from None
 
 
 def _initializer(

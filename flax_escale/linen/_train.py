@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.linen._step_batch import batch_problem, checked_batch_sharding, devices_of_state
 
 __all__ = ["jit_train_step"]
 
@@ -34,6 +35,14 @@ def jit_train_step(
     The state's buffers are donated (the new state reuses them). Call the step inside
     :func:`~flax_escale.use_sharding` when the model constrains activations by logical names.
 
+    Threads: a step may be called from any thread. The check that no buffer of the state was
+    donated and the dispatch that donates them are one atomic operation, across every step
+    this function builds; so of two threads that step from the same state, one runs and the
+    other gets the :class:`~flax_escale.EscaleError` below, never a crash. Steps are
+    dispatched one at a time (a first call, which compiles, holds the others until it has
+    compiled); they run on the devices as JAX's asynchronous dispatch queues them. Chaining
+    the states (each step on the state the last one returned) is the caller's job.
+
     Args:
         step_fn: ``step_fn(state, batch)``, returning the new state (of the same structure as
             ``state``), or ``(new_state, aux)`` with ``has_aux``.
@@ -41,22 +50,29 @@ def jit_train_step(
             shardings are read (``jax.ShapeDtypeStruct`` leaves with a sharding do too).
         batch_sharding: The batch's sharding: a ``jax.sharding.Sharding`` for every array of
             the batch (such as :func:`~flax_escale.batch_sharding`'s) or a tree of them shaped
-            like a prefix of the batch. ``None`` leaves the batch where it is.
+            like a prefix of the batch, on the state's devices. ``None`` leaves the batch (or
+            that part of it) where it is.
         has_aux: Whether ``step_fn`` returns ``(new_state, aux)``; ``aux`` (the loss, metrics)
             is laid out by the compiler.
 
     Returns:
-        The jitted step, called as ``step(state, batch)``; ``jax.jit``'s ``lower`` and
-        ``trace`` work on it too.
+        The jitted step, called as ``step(state, batch)`` (both by position); ``jax.jit``'s
+        ``lower`` and ``trace`` work on it too, and check their arguments as a call does.
 
     Raises:
-        EscaleTypeError: If a leaf of ``state`` is not an array with a sharding (a step of
-            ``0``, say, as ``TrainState.create`` makes it), ``step_fn`` is not a function or
-            ``batch_sharding`` is a bare ``PartitionSpec``; when the step traces, if it does
-            not return a state shaped like ``state`` (and ``aux`` with ``has_aux``) or takes
-            the gradient of a loss that is not a scalar; if ``step_fn`` cannot take
-            ``(state, batch)``, or the step is called with a state of another structure.
-        EscaleError: When the step is called with a state an earlier call was donated.
+        EscaleTypeError: If ``state`` holds no array or a leaf of it is not an array with a
+            sharding (a step of ``0``, say, as ``TrainState.create`` makes it), ``step_fn`` is
+            not a function, or an entry of ``batch_sharding`` is not a sharding (a bare
+            ``PartitionSpec``, say); when the step traces, if it does not return a state
+            shaped like ``state`` (and ``aux`` with ``has_aux``) or takes the gradient of a
+            loss that is not a scalar; if ``step_fn`` cannot take ``(state, batch)``; when the
+            step is called with other than ``(state, batch)`` by position (a keyword batch, a
+            third argument), a state of another structure, or a batch not shaped like
+            ``batch_sharding``.
+        EscaleError: If ``batch_sharding`` is on other devices than the state; when the step
+            is called with a state an earlier call of a step was donated, or a batch that
+            ``batch_sharding`` cannot place (a dimension it does not divide, fewer dimensions
+            than its spec) or that sits on other devices than the state.
 
     Example:
         >>> import flax.linen as nn
@@ -83,13 +99,14 @@ def jit_train_step(
     check.callable_(step_fn, "step_fn", "pass the function step_fn(state, batch)")
     check.takes_positional(step_fn, 2, "jit_train_step", "step_fn(state, batch)")
     has_aux = check.flag(has_aux, "has_aux")
-    if isinstance(batch_sharding, PartitionSpec):
-        raise EscaleTypeError(
-            f"batch_sharding: {batch_sharding} is a PartitionSpec, which names no mesh; pass a "
-            "sharding, such as flax_escale.batch_sharding(mesh, batch.shape) or "
-            "NamedSharding(mesh, spec)."
-        )
     shardings = jax.tree_util.tree_map_with_path(_sharding_of, state)
+    if not jax.tree.leaves(shardings):
+        raise EscaleTypeError(
+            f"jit_train_step: state must hold the train state's arrays, got "
+            f"{check.describe(state)}, which holds none; pass the state init_train_state built."
+        )
+    devices = devices_of_state(shardings)
+    batch_sharding = checked_batch_sharding(batch_sharding, devices)
     structure = jax.tree.structure(state)
 
     @functools.wraps(step_fn)  # named as the user's step in traces, profiles and HLO
@@ -132,38 +149,90 @@ def jit_train_step(
         out_shardings=(shardings, None) if has_aux else shardings,
         donate_argnums=0,
     )
-    return _DonatingStep(jitted, structure)
+    return _DonatingStep(jitted, structure, batch_sharding, devices)
 
 
 # How jax.grad refuses a function whose output is not a scalar.
 _NOT_SCALAR = "Gradient only defined for scalar-output functions."
 
 
+# Held across the check that no state buffer was donated and the dispatch that donates them,
+# by every step: two threads stepping from one state (through one step or two) would otherwise
+# both pass the check, and the second call would run on freed buffers (the process crashes).
+_DISPATCH = threading.RLock()
+
+
 class _DonatingStep:
-    """The jitted step, refusing a state whose buffers an earlier call took.
+    """The jitted step, called as ``step(state, batch)``, refusing a state already donated.
 
     Calling a jitted function again on arrays it was donated crashes the interpreter in some
     jaxlib versions; a stale state is the common way to do it (``step(state, batch)`` without
-    keeping what it returned). ``lower``, ``trace`` and the rest are the jitted function's.
+    keeping what it returned), two threads stepping from one state the other. ``lower`` and
+    ``trace`` check their arguments as a call does; the rest is the jitted function's.
     """
 
-    def __init__(self, jitted: Any, structure: Any) -> None:
+    def __init__(
+        self, jitted: Any, structure: Any, batch_sharding: Any, devices: tuple[Any, ...]
+    ) -> None:
         self._jitted = jitted
         self._structure = structure
+        self._batch_sharding = batch_sharding
+        self._devices = devices
 
-    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state, batch = self._arguments("step", args, kwargs)
         # Every step: one flatten; paths are looked up once a leaf is found deleted.
-        leaves, structure = jax.tree.flatten(state)
-        if structure != self._structure:
+        leaves = jax.tree.leaves(state)
+        with _DISPATCH:
+            if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+                self._refuse_donated(state)
+            return self._placing(self._jitted, state, batch)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit``'s ``lower``, with the arguments checked as a call checks them."""
+        return self._placing(self._jitted.lower, *self._arguments("step.lower", args, kwargs))
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit``'s ``trace``, with the arguments checked as a call checks them."""
+        return self._placing(self._jitted.trace, *self._arguments("step.trace", args, kwargs))
+
+    def _arguments(self, call: str, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        if kwargs:
+            named = ", ".join(f"{name}=" for name in kwargs)
+            raise EscaleTypeError(
+                f"jit_train_step: the step takes (state, batch) by position, got the keyword "
+                f"argument(s) {named}; call {call}(state, batch)."
+            )
+        if len(args) != 2:
+            extra = (
+                "; put what else the step needs in the batch (a dict of arrays) or the state"
+                if len(args) > 2
+                else ""
+            )
+            raise EscaleTypeError(
+                f"jit_train_step: the step takes 2 arguments, (state, batch), got {len(args)}"
+                f"{extra}; call {call}(state, batch)."
+            )
+        state, batch = args
+        if jax.tree.structure(state) != self._structure:
             raise EscaleTypeError(
                 "jit_train_step: the state passed is not shaped like the state the step was "
                 f"built for (got {check.describe(state)}): its arrays or its static fields "
                 "differ (a TrainState made again with another apply_fn or tx object, say); pass "
                 "the state the step was built for, or what its last call returned."
             )
-        if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
-            self._refuse_donated(state)
-        return self._jitted(state, *args, **kwargs)
+        return state, batch
+
+    def _placing(self, function: Callable[..., Any], state: Any, batch: Any) -> Any:
+        # JAX refuses a batch it cannot place with errors about pjit's arguments; the batch is
+        # only examined once it has refused, so that a step pays nothing for the checks.
+        try:
+            return function(state, batch)
+        except (ValueError, TypeError) as error:
+            problem = batch_problem(batch, self._batch_sharding, self._devices)
+            if problem is None:
+                raise
+            raise problem from error
 
     @staticmethod
     def _refuse_donated(state: Any) -> None:
@@ -171,7 +240,7 @@ class _DonatingStep:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise EscaleError(
                     f"jit_train_step: state{jax.tree_util.keystr(path)} was donated to an "
-                    "earlier call of this step, which reused its memory for the state it "
+                    "earlier call of a step, which reused its memory for the state it "
                     "returned; pass the state the last call returned: "
                     "state, loss = step(state, batch)."
                 )

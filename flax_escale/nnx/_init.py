@@ -90,7 +90,14 @@ def init_optimizer(
         P(('fsdp', 'sp', 'dp'), None)
     """
     if not isinstance(model, nnx.Module):
-        raise EscaleTypeError(f"model must be a flax.nnx.Module, got {model!r}.")
+        built = (
+            f"; build it first, e.g. init_sharded({model.__name__}, mesh, 0)"
+            if isinstance(model, type)
+            else "; pass the module flax_escale.init_sharded returned"
+        )
+        raise EscaleTypeError(
+            f"model must be a flax.nnx.Module, got {check.describe(model)}{built}."
+        )
     tx = check.transformation(tx, "tx")
     _check_wrt(wrt, model)
     layout = optimizer_layout(model, tx, wrt=wrt, shard_over=check.names(shard_over, "shard_over"))
@@ -218,7 +225,9 @@ class NnxFrontEnd:
         del method  # Linen's; NNX entry points have none
         if not callable(model) or isinstance(model, nnx.Module):
             raise EscaleTypeError(
-                f"model must be an NNX module class or a callable taking rngs=, got {model!r}."
+                "model must be an NNX module class or a callable taking rngs= that builds the "
+                f"module, got {check.describe(model)}; pass the class (not a module built from "
+                "it), or e.g. lambda rngs: Model(..., rngs=rngs)."
             )
         _check_constructor(model, args, kwargs)
         return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
@@ -337,7 +346,9 @@ def _constructor(call: pipeline.ModelCall) -> Callable[[Any], nnx.Module]:
         module = model(*args, rngs=rngs, **kwargs)
         if not isinstance(module, nnx.Module):
             raise EscaleTypeError(
-                f"model(...) returned {type(module).__name__}, not an NNX module."
+                f"model {shown(model)} returned a {type(module).__name__}, not an NNX module; "
+                "pass a class or function whose call builds the nnx.Module (a container of "
+                "modules, such as a dict, goes inside a module's attribute)."
             )
         return module
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import flax.linen as nn
 from flax import nnx
 
 from flax_escale import _checks as check
@@ -45,9 +46,9 @@ def stack_layers(
         The stacked module.
 
     Raises:
-        EscaleTypeError: If ``make`` is not callable, does not take one argument or does not
-            return an ``nnx.Module``, ``count`` is not a positive int or ``rngs`` not an
-            ``nnx.Rngs``.
+        EscaleTypeError: If ``make`` is not callable (or is a module already built, NNX or
+            Linen), does not take one argument or does not return an ``nnx.Module``,
+            ``count`` is not a positive int or ``rngs`` not an ``nnx.Rngs``.
 
     Example:
         >>> from flax import nnx
@@ -63,10 +64,12 @@ def stack_layers(
         >>> kernel.shape, bool((kernel == same).all())
         ((4, 8, 8), True)
     """
-    check.callable_(make, "make", "pass a function that builds one layer from its rngs")
+    _check_make(make)
     count = check.positive_int(count, "count")
     if not isinstance(rngs, nnx.Rngs):
-        raise EscaleTypeError(f"rngs must be an nnx.Rngs, got {check.describe(rngs)}.")
+        raise EscaleTypeError(
+            f"rngs must be an nnx.Rngs, got {check.describe(rngs)}; pass e.g. nnx.Rngs(0)."
+        )
     # A module class is read by its __init__: Flax's metaclass shows (*args, **kwargs).
     if binding_error(make, (rngs,), {}) is not None:
         raise EscaleTypeError(
@@ -86,3 +89,24 @@ def stack_layers(
         return layer
 
     return build(rngs)
+
+
+def _check_make(make: object) -> None:
+    # A built module is often callable itself (its __call__ takes one input), so the checks
+    # below would pass it and Flax or JAX would fail on the rngs it is called with.
+    if isinstance(make, nnx.Module):
+        name = type(make).__name__
+        raise EscaleTypeError(
+            f"make must build one layer from its rngs, got an instance of {name}, a layer "
+            "already built; stack_layers builds every layer itself: "
+            f"pass its class, {name}, if it takes only rngs, or e.g. lambda rngs: "
+            f"{name}(..., rngs=rngs)."
+        )
+    if isinstance(make, nn.Module) or (isinstance(make, type) and issubclass(make, nn.Module)):
+        shown_as = make.__name__ if isinstance(make, type) else type(make).__name__
+        raise EscaleTypeError(
+            f"make must build an NNX layer from its rngs, got the flax.linen module {shown_as}; "
+            "stack NNX modules (or wrap the Linen one with flax.nnx.bridge.ToNNX inside "
+            "make), or stack Linen layers with flax.linen.scan."
+        )
+    check.callable_(make, "make", "pass a function that builds one layer from its rngs")

@@ -6,6 +6,9 @@ program at the second step. Each test runs three steps and counts XLA compilatio
 """
 
 import re
+import subprocess
+import sys
+import textwrap
 
 import flax.linen as nn
 import jax
@@ -17,6 +20,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import ROOT
 from support.compiles import compiles_of, counting
 
 import flax_escale as fe
@@ -205,7 +209,7 @@ def test_a_step_called_again_on_the_donated_state_is_refused_naming_it(mesh, bat
     new, _ = step(state, batch)
     with pytest.raises(
         fe.EscaleError,
-        match=re.escape("jit_train_step: state.step was donated to an earlier call of this step"),
+        match=re.escape("jit_train_step: state.step was donated to an earlier call of a step"),
     ):
         step(state, batch)  # the old state, whose buffers the first call took
     newer, _ = step(new, batch)
@@ -234,7 +238,9 @@ def test_jit_train_step_refuses_what_is_not_a_step_or_a_sharding(mesh, batch):
     state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
     with pytest.raises(fe.EscaleTypeError, match=r"step_fn must be a function, got the string"):
         fel.jit_train_step("train_step", state)
-    with pytest.raises(fe.EscaleTypeError, match=r"batch_sharding: .* is a PartitionSpec"):
+    with pytest.raises(
+        fe.EscaleTypeError, match=r"jit_train_step: batch_sharding: P\(.dp.,\) is a PartitionSpec"
+    ):
         fel.jit_train_step(train_step, state, batch_sharding=P("dp"))
 
 
@@ -279,3 +285,214 @@ def test_a_state_of_another_structure_is_refused_before_jax_compares_shardings(m
         step(other, batch)
     new, _ = step(state, batch)
     assert int(new.step) == 1
+
+
+# Two threads step from one state, through one step and through two steps built from it, a few
+# rounds each. Run in its own process: before the lock, this killed the process (SIGSEGV).
+TWO_THREADS = textwrap.dedent(
+    """
+    import threading
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import flax_escale as fe
+    from flax_escale.linen import init_train_state, jit_train_step
+
+    kernel_init = nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
+    )
+    model, x = nn.Dense(16, use_bias=False, kernel_init=kernel_init), jnp.ones((8, 16))
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+
+
+    def step(state, x):
+        grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+
+    def fresh():
+        return init_train_state(model, mesh, jax.random.key(0), x, tx=optax.sgd(0.1))
+
+
+    state = fresh()
+    # Two step objects on the same state: the threads race through one, then through both.
+    steps = [jit_train_step(step, state), jit_train_step(step, state)]
+    state = steps[0](state, x)  # compiled before the threads start
+    rounds = 0
+    for pair in ([steps[0], steps[0]], steps) * 4:
+        barrier, results = threading.Barrier(2), []
+
+        def worker(train_step):
+            barrier.wait()
+            try:
+                results.append(train_step(state, x))
+            except fe.EscaleError as error:
+                results.append(error)
+
+        threads = [threading.Thread(target=worker, args=(each,)) for each in pair]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        errors = [r for r in results if isinstance(r, fe.EscaleError)]
+        assert len(results) == 2 and len(errors) == 1, results
+        assert "was donated to an earlier call of a step" in str(errors[0]), errors[0]
+        (state,) = [r for r in results if not isinstance(r, fe.EscaleError)]
+        rounds += 1
+
+    # The winners' chain is the sequential one, bit for bit.
+    reference = fresh()
+    sequential = jit_train_step(step, reference)
+    for _ in range(rounds + 1):
+        reference = sequential(reference, x)
+    assert int(state.step) == rounds + 1
+    np.testing.assert_array_equal(
+        np.asarray(state.params["kernel"]), np.asarray(reference.params["kernel"])
+    )
+    print("rounds:", rounds)
+    """
+)
+
+
+def test_two_threads_stepping_from_one_state_one_steps_the_other_is_refused(devices):
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_THREADS],
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang guard
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "rounds: 8" in done.stdout
+
+
+def test_a_batch_the_sharding_does_not_divide_is_named_with_its_path_shape_spec_and_mesh(
+    mesh, batch
+):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    rows = NamedSharding(mesh, P("fsdp"))
+    step = fel.jit_train_step(lambda s, b: train_step(s, b["x"]), state, batch_sharding=rows)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "jit_train_step: batch['x'] of shape (6, 16) does not fit batch_sharding P('fsdp',) "
+            "on mesh {'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1}: its dimension 0 (6) is "
+            "split into 4 parts, which do not divide it; make that dimension a multiple of 4"
+        ),
+    ):
+        step(state, {"x": np.ones((6, 16), np.float32)})
+    assert not state.params["wi"]["kernel"].is_deleted()  # refused before anything ran
+
+
+def test_a_batch_sharding_longer_than_the_batch_rank_is_named(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    too_long = NamedSharding(mesh, P("fsdp", "tp", None))
+    step = fel.jit_train_step(train_step, state, has_aux=True, batch_sharding=too_long)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "jit_train_step: batch of shape (8, 16) has 2 dimension(s), fewer than the 3 entries "
+            "of batch_sharding P('fsdp', 'tp', None) on mesh {'dp': 1, 'fsdp': 4, 'ep': 1, "
+            "'tp': 2, 'sp': 1}; give batch_sharding at most one entry per dimension"
+        ),
+    ):
+        step.lower(state, np.asarray(batch))
+    with pytest.raises(fe.EscaleError, match=r"fewer than the 3 entries of batch_sharding"):
+        step(state, np.asarray(batch))
+
+
+def test_a_batch_sharding_on_other_devices_than_the_state_is_refused_when_built(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    half = fe.create_mesh((1, 4, 1, 1, 1), devices=jax.devices()[4:])
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "jit_train_step: batch_sharding['x'] (P('fsdp',) on mesh {'dp': 1, 'fsdp': 4, "
+            "'ep': 1, 'tp': 1, 'sp': 1}) is on devices [4, 5, 6, 7], the state on devices "
+            "[0, 1, 2, 3, 4, 5, 6, 7]; one step runs on one set of devices: build "
+            "batch_sharding on the state's mesh"
+        ),
+    ):
+        fel.jit_train_step(train_step, state, batch_sharding={"x": NamedSharding(half, P("fsdp"))})
+    reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("fsdp",))
+    with pytest.raises(fe.EscaleError, match=r"\(the same devices in another order\)"):
+        fel.jit_train_step(
+            train_step, state, batch_sharding=NamedSharding(reversed_mesh, P("fsdp"))
+        )
+
+
+def test_a_batch_committed_to_other_devices_is_named(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    step = fel.jit_train_step(train_step, state, has_aux=True)
+    elsewhere = jax.device_put(np.asarray(batch), jax.devices()[7])
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            "jit_train_step: batch of shape (8, 16) is on devices [7], the state on devices "
+            "[0, 1, 2, 3, 4, 5, 6, 7]; put the batch on the state's mesh: pass batch_sharding="
+        ),
+    ):
+        step(state, elsewhere)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda step, state, x: step(state, batch=x),
+            "the step takes (state, batch) by position, got the keyword argument(s) batch=; "
+            "call step(state, batch).",
+        ),
+        (
+            lambda step, state, x: step(state, x, KEY),
+            "the step takes 2 arguments, (state, batch), got 3; put what else the step needs "
+            "in the batch (a dict of arrays) or the state; call step(state, batch).",
+        ),
+        (
+            lambda step, state, x: step(state),
+            "the step takes 2 arguments, (state, batch), got 1; call step(state, batch).",
+        ),
+        (
+            lambda step, state, x: step.lower(state, x, KEY),
+            "got 3; put what else the step needs in the batch (a dict of arrays) or the state; "
+            "call step.lower(state, batch).",
+        ),
+    ],
+    ids=["keyword batch", "third argument", "no batch", "lower, third argument"],
+)
+def test_a_step_called_other_than_state_and_batch_says_how_to_call_it(mesh, batch, call, message):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    step = fel.jit_train_step(train_step, state, has_aux=True)
+    with pytest.raises(fe.EscaleTypeError, match=re.escape(message)):
+        call(step, state, batch)
+    assert not state.params["wi"]["kernel"].is_deleted()
+
+
+def test_a_batch_not_shaped_like_batch_sharding_or_a_sharding_that_is_none_is_named(mesh, batch):
+    state = fel.init_train_state(Partial(), mesh, KEY, batch, tx=optax.sgd(0.1))
+    rows = NamedSharding(mesh, P("fsdp"))
+    step = fel.jit_train_step(train_step, state, has_aux=True, batch_sharding={"x": rows})
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=r"jit_train_step: the batch \(ArrayImpl of shape \(8, 16\) .*\) is not shaped "
+        r"like batch_sharding \(dict ",
+    ):
+        step(state, batch)
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=re.escape(
+            "jit_train_step: batch_sharding['x'] must be a jax.sharding.Sharding (or None to "
+            "leave that part of the batch where it is), got str 'fsdp'; pass e.g. "
+            "flax_escale.batch_sharding(mesh, batch.shape)"
+        ),
+    ):
+        fel.jit_train_step(train_step, state, batch_sharding={"x": "fsdp"})
+    with pytest.raises(fe.EscaleTypeError, match=r"state must hold .* got None, which holds none"):
+        fel.jit_train_step(train_step, None)

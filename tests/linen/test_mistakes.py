@@ -7,6 +7,7 @@ Cases for ``init_train_state``. What a case asserts, and the rest of the table:
 import jax
 import optax
 import pytest
+from flax import nnx
 from support.mistakes import (
     MISTAKE,
     TX,
@@ -20,6 +21,7 @@ from support.mistakes import (
     raises_a_library_error,
 )
 
+import flax_escale as fe
 from flax_escale import linen as fel
 
 CASES = [
@@ -51,6 +53,39 @@ CASES = [
         "_Up",
         r"flax_escale\.nnx\.init_optimizer",
         id="linen-init_train_state-nnx-class",
+    ),
+    # --- an rng that is not a key or seed; inputs the model cannot be initialized with ------
+    case(
+        lambda: fe.init_sharded(dense(), mesh5(), nnx.Rngs(0), X),
+        T,
+        "rng",
+        "an nnx.Rngs",
+        r"pass the seed or key you would give nnx\.Rngs",
+        id="linen-init_sharded-rng-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), mesh5(), [0], X),
+        T,
+        "rng",
+        "list [0]",
+        r"pass jax\.random\.key\(0\) or 0",
+        id="linen-init_sharded-rng-list",
+    ),
+    case(
+        lambda: fel.init_train_state(dense(), mesh5(), jax.random.key(0), tx=TX),
+        T,
+        "model",
+        "Dense.__call__(inputs)",
+        r"missing a required argument: 'inputs'.*pass the example inputs after rng",
+        id="linen-init_train_state-no-inputs",
+    ),
+    case(
+        lambda: fe.lower_init(dense(), mesh5(), jax.random.key(0), "x"),
+        T,
+        "inputs[0]",
+        "str 'x'",
+        r"pass arrays \(or jax\.ShapeDtypeStruct\) as inputs",
+        id="linen-lower_init-string-input",
     ),
 ]
 

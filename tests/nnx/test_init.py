@@ -281,7 +281,10 @@ def test_callable_models_seeds_and_rng_dicts():
 
 def test_errors():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
-    with pytest.raises(fe.EscaleTypeError, match="NNX module class or a callable"):
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=r"model is an NNX module already built \(a TinyLm\).*pass its class, or a function",
+    ):
         fe.init_sharded(TinyLm(nnx.Rngs(0)), mesh, 0)
     with pytest.raises(fe.EscaleTypeError, match="not an NNX module"):
         fe.init_sharded(lambda rngs: 3, mesh, 0)

@@ -7,6 +7,8 @@ of the table: ``support/mistakes.py``.
 
 import functools
 
+import flax.linen as linen
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -198,6 +200,107 @@ CASES = [
         "Rngs",
         r"pass its seed or key as rng",
         id="nnx-init_sharded-rngs-keyword",
+    ),
+    # --- an nnx.Rngs, or an array that is not one key, where a seed or key is expected -----
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), nnx.Rngs(0)),
+        T,
+        "rng",
+        "an nnx.Rngs",
+        r"build the module's nnx\.Rngs from a seed or key themselves.*0 or "
+        r"jax\.random\.key\(0\)",
+        id="nnx-init_sharded-rng-rngs",
+    ),
+    case(
+        lambda: fe.lower_init(_Up, mesh5(), {"params": nnx.Rngs(0)}),
+        T,
+        "rng['params']",
+        "an nnx.Rngs",
+        r"a dict of them by stream name such as \{'params': 0, 'dropout': 1\}",
+        id="nnx-lower_init-rng-dict-of-rngs",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Up, mesh5(), nnx.Rngs(0).params),
+        T,
+        "rng",
+        "an nnx.RngStream",
+        r"pass the seed or key you would give nnx\.Rngs",
+        id="nnx-plan_sharding-rng-stream",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), jax.random.split(jax.random.key(0), 2)),
+        T,
+        "rng",
+        "of shape (2,) and dtype key<fry>",
+        r"pass one key, e\.g\. keys\[0\]",
+        id="nnx-init_sharded-rng-key-array",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), jnp.array(0)),
+        T,
+        "rng",
+        "Array(0, dtype=int32",
+        r"pass the seed as a Python int, int\(seed\)",
+        id="nnx-init_sharded-rng-int-array",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), [0, 1]),
+        T,
+        "rng",
+        "list [0, 1]",
+        r"pass jax\.random\.key\(0\) or 0",
+        id="nnx-init_sharded-rng-list",
+    ),
+    # --- a module already built where its class is expected ---------------------------------
+    case(
+        lambda: fe.init_sharded(_Up(nnx.Rngs(0)), mesh5(), 0),
+        T,
+        "model",
+        "_Up",
+        r"pass its class, or a function that builds it from its rngs, such as lambda rngs: "
+        r"_Up\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-module-instance",
+    ),
+    case(
+        lambda: fe.init_sharded(lambda rngs: {"up": _Up(rngs)}, mesh5(), 0),
+        T,
+        "model",
+        "returned a dict",
+        r"goes inside a module's attribute",
+        id="nnx-init_sharded-factory-returns-dict",
+    ),
+    case(
+        lambda: fen.init_optimizer(_Up, TX),
+        T,
+        "model",
+        "_Up",
+        r"build it first, e\.g\. init_sharded\(_Up, mesh, 0\)",
+        id="nnx-init_optimizer-model-class",
+    ),
+    case(
+        lambda: fen.stack_layers(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "an instance of Linear, a layer already built",
+        r"pass its class, Linear, if it takes only rngs, or e\.g\. lambda rngs: "
+        r"Linear\(\.\.\., rngs=rngs\)",
+        id="nnx-stack_layers-module-instance",
+    ),
+    case(
+        lambda: fen.stack_layers(linen.Dense(4), 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "the flax.linen module Dense",
+        r"stack NNX modules .*flax\.nnx\.bridge\.ToNNX",
+        id="nnx-stack_layers-linen-module",
+    ),
+    case(
+        lambda: fen.stack_layers(_Up, 2, 0),
+        T,
+        "rngs",
+        "int 0",
+        r"pass e\.g\. nnx\.Rngs\(0\)",
+        id="nnx-stack_layers-rngs-seed",
     ),
     # --- a layer class given to stack_layers, whose metaclass hides its parameters ---------
     case(
