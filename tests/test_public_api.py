@@ -127,6 +127,7 @@ EXPECTED = {
         "PlanDiff",
         "PlanEntry",
         "ShardingPlan",
+        "UnknownPathError",
         "annotated_leaves",
         "arrays_only",
         "build_plan",
@@ -371,7 +372,7 @@ MOVED = [
     *(
         f"flax_escale.sharding.{name} -> flax_escale.plan.{name}"
         for name in EXPECTED["flax_escale.plan"]
-        if name not in ("USE_IDLE_AXES", "ArrayChange", "PlanDiff")
+        if name not in ("USE_IDLE_AXES", "ArrayChange", "PlanDiff", "UnknownPathError")
     ),
     *(
         f"flax_escale.frontend.{name} -> flax_escale._frontend.{name}"

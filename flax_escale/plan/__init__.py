@@ -15,6 +15,7 @@ from flax_escale.plan._plan import (
     USE_IDLE_AXES,
     PlanEntry,
     ShardingPlan,
+    UnknownPathError,
     build_plan,
 )
 from flax_escale.plan._tree import logical_to_mesh_sharding
@@ -27,6 +28,7 @@ __all__ = [
     "PlanDiff",
     "PlanEntry",
     "ShardingPlan",
+    "UnknownPathError",
     "annotated_leaves",
     "arrays_only",
     "build_plan",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, mesh_text
 from flax_escale.axes import LogicalRules
-from flax_escale.errors import EscaleTypeError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._annotation import Annotation
 from flax_escale.plan._collector import collector_paused
 from flax_escale.plan._diff import PlanDiff, diff_plans
@@ -46,13 +48,56 @@ __all__ = [
     "USE_IDLE_AXES",
     "PlanEntry",
     "ShardingPlan",
+    "UnknownPathError",
     "build_plan",
     "format_bytes",
     "plan_checked",
+    "unknown_path_message",
 ]
 
 USE_IDLE_AXES = True
 """The one default of every ``use_idle_axes`` option: parameters reach their ideal share."""
+
+
+class UnknownPathError(EscaleError, KeyError):
+    """A plan has no array at the path asked for; also a ``KeyError``, as a mapping raises.
+
+    The message names the path and the plan's closest paths.
+    """
+
+    # KeyError's own text is the repr of its argument (quotes and escaped newlines); the
+    # message reads as every other error's.
+    __str__ = EscaleError.__str__
+
+
+def unknown_path_message(path: str, paths: Sequence[str]) -> str:
+    """Says that ``path`` is none of ``paths``, naming the closest ones.
+
+    Example:
+        >>> from flax_escale.plan._plan import unknown_path_message
+        >>> unknown_path_message("params/kernal", ["params/kernel", "opt_state/mu"])
+        "no array at path 'params/kernal'; the closest: ['params/kernel'] (the plan has ['params/kernel', 'opt_state/mu'])"
+    """  # noqa: E501 (a doctest's output is one line)
+    close = difflib.get_close_matches(path, paths, n=5, cutoff=0.5)
+    if len(paths) <= 8:
+        known = f"the plan has {list(paths)}"
+        return f"no array at path {path!r}; " + (
+            f"the closest: {close} ({known})" if close else known
+        )
+    nearest = f"the closest: {close}" if close else "no path of the plan is close to it"
+    return (
+        f"no array at path {path!r}; {nearest} (the plan has {len(paths)} arrays: "
+        "[e.path for e in plan] lists them)"
+    )
+
+
+def _checked_path(path: Any, argument: str) -> str:
+    if not isinstance(path, str):
+        raise EscaleTypeError(
+            f"{argument} must be an array's path as a string, got {check.describe(path)}; pass "
+            "e.g. 'params/Dense_0/kernel' ([e.path for e in plan] lists them)."
+        )
+    return path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,10 +128,23 @@ class PlanEntry:
         """Bytes of the whole array."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
-    def nbytes_per_device(self, mesh: Mesh) -> int:
-        """Bytes of the shard each device holds."""
+    def nbytes_per_device(self, mesh: Mesh | AbstractMesh) -> int:
+        """Bytes of the shard each device holds on ``mesh``.
+
+        Raises:
+            EscaleTypeError: If ``mesh`` is not a mesh.
+            EscaleError: If the spec names an axis ``mesh`` lacks (another plan's mesh).
+        """
         axes = [a for entry in self.spec for a in mesh_axes_of(entry)]
-        return self.nbytes // math.prod(mesh.shape[a] for a in axes)
+        try:
+            return self.nbytes // math.prod(mesh.shape[a] for a in axes)
+        except (AttributeError, KeyError, TypeError):
+            check.mesh(mesh, "PlanEntry.nbytes_per_device: mesh")
+            raise EscaleError(
+                f"PlanEntry.nbytes_per_device: {self.path!r} has the spec {self.spec}, which "
+                f"names axes the mesh ({mesh_text(mesh.shape)}) lacks; pass the plan's own "
+                "mesh (plan.mesh)."
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +157,12 @@ class ShardingPlan:
         treedef: The structure of the (unboxed) variables.
         notes: Things worth knowing that concern no single array (an unused pattern).
         rules: The logical-axis rules the plan was resolved with (``None``: not recorded).
+
+    A plan is read like a mapping of paths to entries, but iterates over its entries:
+    ``plan[path]`` and ``plan.get(path)`` give the :class:`PlanEntry` at ``path``,
+    ``path in plan`` says whether there is one (an entry is ``in`` its plan too),
+    ``for entry in plan`` and ``len(plan)`` go over the entries. ``plan[path]`` of a path the
+    plan lacks raises :class:`UnknownPathError`, a ``KeyError`` naming the closest paths.
     """
 
     mesh: Mesh
@@ -113,18 +177,35 @@ class ShardingPlan:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def __contains__(self, item: object) -> bool:
+        # A path, as plan[path] takes it, or one of the entries iteration gives.
+        if isinstance(item, str):
+            return item in self._by_path
+        return isinstance(item, PlanEntry) and self._by_path.get(item.path) == item
+
     def __getitem__(self, path: str) -> PlanEntry:
-        for entry in self.entries:
-            if entry.path == path:
-                return entry
-        paths = [e.path for e in self]
-        if len(paths) > 8:
-            close = difflib.get_close_matches(path, paths, n=5, cutoff=0.5)
-            raise KeyError(
-                f"no array at path {path!r}; close paths: {close} (the plan has {len(paths)} "
-                "arrays: [e.path for e in plan] lists them)"
+        return self._entry(path, "ShardingPlan[path]")
+
+    def _entry(self, path: str, argument: str) -> PlanEntry:
+        entry = self._by_path.get(_checked_path(path, argument))
+        if entry is None:
+            raise UnknownPathError(
+                f"{argument.removesuffix(': path')}: "
+                + unknown_path_message(path, list(self._by_path))
             )
-        raise KeyError(f"no array at path {path!r}; the plan has {paths}")
+        return entry
+
+    def get(self, path: str, default: Any = None) -> PlanEntry | Any:
+        """The entry at ``path``, or ``default`` if the plan has no array there.
+
+        Raises:
+            EscaleTypeError: If ``path`` is not a string.
+        """
+        return self._by_path.get(_checked_path(path, "ShardingPlan.get: path"), default)
+
+    @functools.cached_property
+    def _by_path(self) -> dict[str, PlanEntry]:
+        return {entry.path: entry for entry in self.entries}
 
     def diff(self, other: ShardingPlan) -> PlanDiff:
         """The arrays whose layout differs between this plan and ``other``.
@@ -181,11 +262,22 @@ class ShardingPlan:
         return plan_to_json(self)
 
     @classmethod
-    def from_json(cls, text: str, mesh: Mesh | AbstractMesh | None = None) -> ShardingPlan:
+    def from_json(
+        cls,
+        text: str,
+        mesh: Mesh | AbstractMesh | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+    ) -> ShardingPlan:
         """The plan :meth:`to_json` wrote.
 
         The arrays are keyed by path (``specs()`` gives ``{path: spec}``); everything else
         round-trips. ``explain``, ``diff`` and reports work on it as on the plan it came from.
+        Nothing in the text is trusted: every field must have the type ``to_json`` writes, and
+        the mesh and the specs must be valid (axis sizes of at least 1, named once; sizes of
+        at least 0; one entry per path; each spec no longer than its shape, naming each axis
+        of the mesh at most once, and dividing the sizes), or the load stops, naming the
+        file, the array and the field.
 
         Args:
             text: What ``to_json`` returned.
@@ -193,14 +285,17 @@ class ShardingPlan:
                 ``None`` gives an abstract mesh of that shape and of the recorded axis types
                 (Auto for JSON written before they were recorded), whatever the installed
                 JAX's default.
+            source: The file ``text`` was read from, named in errors.
 
         Returns:
             The plan.
 
         Raises:
-            EscaleTypeError: If ``text`` is not a string.
-            EscaleError: If it is not a plan's JSON of this format, its axis types are not
-                JAX's, or ``mesh`` has another shape.
+            EscaleTypeError: If ``text`` is not a string, or ``source`` not a path.
+            EscaleError: If it is not a plan's JSON of this format, a field holds a value of
+                another type or an invalid one (the message names the file, the array and
+                the field, the value and what was expected), its axis types are not JAX's,
+                or ``mesh`` has another shape.
 
         Example:
             >>> import flax.linen as nn
@@ -213,7 +308,9 @@ class ShardingPlan:
             >>> loaded["params/kernel"].spec, bool(loaded.diff(plan))
             (P(('fsdp', 'sp'), 'tp'), False)
         """
-        return plan_from_json(text, mesh)
+        if source is not None:
+            source = check.path(source, "ShardingPlan.from_json: source")
+        return plan_from_json(text, mesh, source=source)
 
     def explain(self, path: str) -> str:
         """Why the array at ``path`` has its spec, step by step.
@@ -232,7 +329,9 @@ class ShardingPlan:
             Lines of text.
 
         Raises:
-            KeyError: If the plan has no array at ``path`` (the message lists close paths).
+            UnknownPathError: If the plan has no array at ``path`` (a ``KeyError`` too; the
+                message names the closest paths).
+            EscaleTypeError: If ``path`` is not a string.
 
         Example:
             >>> import flax.linen as nn
@@ -258,7 +357,7 @@ class ShardingPlan:
               spec: P(('fsdp', 'sp'), 'tp')
               bytes per device: 24 B of 192 B (1.00x the ideal share, 24 B)
         """
-        return explain_entry(self, self[path])
+        return explain_entry(self, self._entry(path, "ShardingPlan.explain: path"))
 
     def specs(self) -> Any:
         """The ``PartitionSpec`` of every array, as a tree shaped like the variables."""
@@ -369,17 +468,68 @@ def build_plan(
         ShardingResolutionError: In strict mode, if a spec had to be corrected or a logical
             name has no rule.
         EscaleError: In strict mode, if there are notes.
-        EscaleTypeError: If ``mesh`` is not a mesh.
+        EscaleTypeError: If ``mesh`` is not a mesh, ``treedef`` not a ``PyTreeDef`` of one
+            leaf per item, an item not a ``(path, array, annotation)`` triple, or ``notes`` not
+            a sequence of strings.
+        EscaleError: If two items have the same path.
     """
     return plan_checked(
-        treedef,
+        _checked_treedef(treedef, len(_checked_items(items))),
         items,
         check.mesh(mesh),
         as_logical_rules(rules),
         strict=check.flag(strict, "strict"),
-        notes=tuple(notes),
+        notes=_checked_notes(notes),
         use_idle_axes=check.flag(use_idle_axes, "use_idle_axes"),
     )
+
+
+def _checked_items(items: Any) -> Sequence[tuple[str, Any, Annotation | None]]:
+    items = check.sequence(
+        items, "build_plan: items", "(path, array, annotation) triples", "annotated_leaves(tree)[1]"
+    )
+    for index, item in enumerate(items):
+        if not (
+            isinstance(item, (tuple, list))
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and isinstance(getattr(item[1], "shape", None), tuple)
+            and hasattr(item[1], "dtype")
+            and (item[2] is None or isinstance(item[2], Annotation))
+        ):
+            raise EscaleTypeError(
+                f"build_plan: items[{index}] must be a (path, array, annotation) triple: a "
+                "string, an array or jax.ShapeDtypeStruct, and an Annotation or None; got "
+                f"{check.describe(item)}. annotated_leaves(tree) gives such items."
+            )
+    paths = [item[0] for item in items]
+    if len(set(paths)) != len(paths):
+        twice = next(path for path in paths if paths.count(path) > 1)
+        raise EscaleError(
+            f"build_plan: items name the path {twice!r} {paths.count(twice)} times; a plan "
+            "holds one array per path: give each item its own path."
+        )
+    return items
+
+
+def _checked_notes(notes: Any) -> tuple[str, ...]:
+    notes = check.sequence(notes, "build_plan: notes", "strings", "('a note',)")
+    for note in notes:
+        if not isinstance(note, str):
+            raise EscaleTypeError(
+                f"build_plan: notes must be a sequence of strings, got {notes!r} whose entry "
+                f"{check.describe(note)} is not a string."
+            )
+    return notes
+
+
+def _checked_treedef(treedef: Any, count: int) -> Any:
+    if not isinstance(treedef, jax.tree_util.PyTreeDef) or treedef.num_leaves != count:
+        raise EscaleTypeError(
+            f"build_plan: treedef must be the PyTreeDef of the {count} items' variables, got "
+            f"{check.describe(treedef)}; pass the treedef annotated_leaves(tree) gives with them."
+        )
+    return treedef
 
 
 def plan_checked(

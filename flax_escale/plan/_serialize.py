@@ -9,21 +9,24 @@ path, and its mesh is the one given or an abstract mesh of the recorded shape.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import math
+from typing import TYPE_CHECKING, Any, NoReturn, get_args
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
+from flax_escale.plan import _json_fields as fields
 from flax_escale.plan._annotation import Annotation
 from flax_escale.resolve import Completion, Resolution
-from flax_escale.resolve._fit import Correction
+from flax_escale.resolve._fit import Correction, CorrectionKind
 from flax_escale.resolve._resolution import PassedOver
 
 if TYPE_CHECKING:
-    from flax_escale.plan._plan import ShardingPlan
+    from flax_escale.plan._plan import PlanEntry, ShardingPlan
 
 __all__ = ["FORMAT", "plan_from_json", "plan_to_json"]
 
@@ -50,61 +53,243 @@ def plan_to_json(plan: ShardingPlan) -> str:
     return f'{head}, "arrays": [\n  {arrays}\n]}}\n'
 
 
-def plan_from_json(text: str, mesh: Mesh | AbstractMesh | None = None) -> ShardingPlan:
-    """The plan ``text`` holds (see :meth:`ShardingPlan.from_json`)."""
-    from flax_escale.plan._plan import PlanEntry, ShardingPlan  # (it imports this module)
+def plan_from_json(
+    text: str, mesh: Mesh | AbstractMesh | None = None, *, source: str | None = None
+) -> ShardingPlan:
+    """The plan ``text`` holds (see :meth:`ShardingPlan.from_json`); ``source`` names its file."""
+    from flax_escale.plan._plan import ShardingPlan  # (it imports this module)
 
     if not isinstance(text, str):
         raise EscaleTypeError(
             f"ShardingPlan.from_json: text must be the JSON string to_json() wrote, got "
             f"{check.describe(text)}; pass pathlib.Path(file).read_text()."
         )
+    origin = "" if source is None else f" ({source!r})"
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise EscaleError(
-            f"ShardingPlan.from_json: the text is not JSON ({error}); pass what "
+            f"ShardingPlan.from_json: the text{origin} is not JSON ({error}); pass what "
             "ShardingPlan.to_json() wrote."
         ) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else None
         raise EscaleError(
-            f"ShardingPlan.from_json: not a sharding plan of this format (format {found!r}, "
-            f"expected {FORMAT!r}); pass what ShardingPlan.to_json() wrote, or write the "
-            "snapshot again with this version."
+            f"ShardingPlan.from_json: the text{origin} is not a sharding plan of this format "
+            f"(format {found!r}, expected {FORMAT!r}); pass what ShardingPlan.to_json() wrote, "
+            "or write the snapshot again with this version."
         )
-    sizes = {str(axis): int(size) for axis, size in data["mesh"]}
-    mesh = _mesh(sizes, data.get("axis_types"), mesh)
-    mesh_shape = tuple(sizes.items())
-    entries = []
-    for array in sorted(data["arrays"], key=lambda a: a["path"]):
-        shape = tuple(array["shape"])
-        resolution = Resolution(
-            None if array["resolved_axes"] is None else _names(array["resolved_axes"]),
-            _spec(array["spec"]),
-            shape,
-            mesh_shape,
-            _spec(array["rules_spec"]),
-            tuple(
-                Correction(c["kind"], c["dim"], tuple(c["mesh_axes"]), c["size"], c["detail"])
-                for c in array["corrections"]
-            ),
-            tuple(
-                PassedOver(p["dim"], p["logical_name"], tuple(p["mesh_axes"]), p["size"])
-                for p in array["passed_over"]
-            ),
-            tuple(array["unknown_names"]),
-            array["padded"],
-            tuple(Completion(**c) for c in array["completed"]),
-        )
-        entries.append(
-            PlanEntry(
-                array["path"], shape, np.dtype(array["dtype"]), _annotation(array), resolution
-            )
-        )
+    loader = _Loader(data, source)
+    sizes = loader.mesh_sizes()
+    mesh = loader.mesh(sizes, mesh)
+    entries = loader.entries(sizes)
     treedef = _keyed_by_path([e.path for e in entries])
-    rules = None if data["rules"] is None else _frozen_rules(data["rules"])
-    return ShardingPlan(mesh, tuple(entries), treedef, tuple(data["notes"]), rules)
+    return ShardingPlan(
+        mesh,
+        entries,
+        treedef,
+        loader.field("notes", _NOTES),
+        loader.field("rules", fields.optional(fields.rules)),
+    )
+
+
+_AXIS_TYPES = fields.optional(fields.list_of(fields.text, "axis type names"))
+_NOTES = fields.list_of(fields.text, "strings")
+_AXES = fields.list_of(fields.text, "mesh axis names")
+_DIM = fields.integer(0)
+_ANNOTATION = fields.optional(
+    fields.record(
+        Annotation,
+        logical_axes=fields.optional(fields.names),
+        mesh_axes=fields.optional(fields.list_of(fields.axes_entry, "spec entries")),
+        source=fields.text,
+        rules=fields.optional(fields.rules),
+        local_rules=fields.rules,
+        names_may_be_mesh_axes=fields.boolean,
+        follows=fields.optional(
+            fields.pair(
+                fields.text,
+                fields.list_of(_DIM, "dimensions"),
+                "a [parameter path, dimensions] pair",
+            )
+        ),
+    )
+)
+_ARRAY = fields.record(
+    dict,
+    path=fields.text,
+    shape=fields.list_of(_DIM, "sizes"),
+    dtype=fields.dtype,
+    annotation=_ANNOTATION,
+    resolved_axes=fields.optional(fields.names),
+    spec=fields.spec,
+    rules_spec=fields.spec,
+    corrections=fields.list_of(
+        fields.record(
+            Correction,
+            kind=fields.one_of(*get_args(CorrectionKind)),
+            dim=_DIM,
+            mesh_axes=_AXES,
+            size=fields.optional(_DIM),
+            detail=fields.text,
+        ),
+        "corrections",
+    ),
+    passed_over=fields.list_of(
+        fields.record(
+            PassedOver,
+            dim=_DIM,
+            logical_name=fields.text,
+            mesh_axes=_AXES,
+            size=_DIM,
+        ),
+        "rules passed over",
+    ),
+    unknown_names=fields.list_of(fields.text, "logical names"),
+    padded=_DIM,
+    completed=fields.list_of(
+        fields.record(
+            Completion, dim=_DIM, mesh_axis=fields.text, size=_DIM, split=fields.integer(1)
+        ),
+        "completions",
+    ),
+)
+
+
+class _Loader:
+    """Reads a plan's JSON object field by field; a wrong value names its file, entry and field."""
+
+    def __init__(self, data: dict[str, Any], source: str | None) -> None:
+        self._data = data
+        self._origin = "the text" if source is None else repr(source)
+
+    def field(self, name: str, read: fields.Read, value: Any = fields.MISSING) -> Any:
+        """The top-level field ``name`` read with ``read`` (or ``value`` given in its place)."""
+        found = self._data.get(name, fields.MISSING) if value is fields.MISSING else value
+        try:
+            return read(found)
+        except fields.WrongValue as wrong:
+            self.fail(f"field {name + wrong.at!r}", wrong.value, wrong.expected)
+
+    def fail(self, where: str, value: Any, expected: str) -> NoReturn:
+        """Stops the load: ``where`` in the file holds ``value`` where ``expected`` belongs."""
+        raise EscaleError(
+            f"ShardingPlan.from_json: in {self._origin}, {where} is {fields.short(value)}; "
+            f"expected {expected}, as ShardingPlan.to_json() writes it. Correct that value, or "
+            "write the plan again with to_json() (a snapshot: run its test once with "
+            "FLAX_ESCALE_UPDATE_SNAPSHOTS=1)."
+        )
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes, each axis named once and of size 1 or more."""
+        pairs = self.field(
+            "mesh",
+            fields.list_of(
+                fields.pair(fields.text, fields.integer(1), "an [axis name, size >= 1] pair"),
+                "[axis name, size] pairs",
+            ),
+        )
+        sizes: dict[str, int] = {}
+        for index, (axis, size) in enumerate(pairs):
+            if axis in sizes:
+                self.fail(f"field 'mesh[{index}]'", [axis, size], "each mesh axis named once")
+            sizes[axis] = size
+        return sizes
+
+    def mesh(self, sizes: dict[str, int], given: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
+        """``given`` if it has the recorded axes and sizes, else an abstract mesh of them."""
+        # JSON written before the types were recorded has none, and loads on Auto axes: what
+        # a bare AbstractMesh had in the JAX versions that wrote it.
+        types = self.field("axis_types", _AXIS_TYPES, self._data.get("axis_types"))
+        types = ("Auto",) * len(sizes) if types is None else types
+        known = {t.name for t in AxisType}
+        if len(types) != len(sizes) or not set(types) <= known:
+            self.fail(
+                "field 'axis_types'",
+                list(types),
+                f"one of {sorted(known)} per axis of the mesh {sizes}",
+            )
+        if given is not None:
+            shape = dict(getattr(given, "shape", {}) or {})
+            if not isinstance(given, (Mesh, AbstractMesh)) or shape != sizes:
+                raise EscaleError(
+                    f"ShardingPlan.from_json: mesh {check.describe(given)} is not the plan's "
+                    f"mesh {sizes} (in {self._origin}); pass a mesh of the same axes and sizes, "
+                    "or none (an abstract mesh)."
+                )
+            return given
+        kinds = tuple(AxisType[t] for t in types)
+        return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=kinds)
+
+    def entries(self, sizes: dict[str, int]) -> tuple[PlanEntry, ...]:
+        """Every array's entry, sorted by path: one per path, each spec valid on the mesh."""
+        arrays = self.field("arrays", fields.list_of(lambda a: a, "array objects"))
+        read: dict[str, PlanEntry] = {}
+        for index, array in enumerate(arrays):
+            path = array.get("path") if isinstance(array, dict) else None
+            where = f"arrays[{index}]" + (f" (path {path!r})" if isinstance(path, str) else "")
+            try:
+                found = _ARRAY(array)
+            except fields.WrongValue as wrong:
+                step = wrong.at.lstrip(".")
+                at = f"{where}, field {step!r}" if step else where
+                self.fail(at, wrong.value, wrong.expected)
+            if found["path"] in read:
+                self.fail(f"{where}, field 'path'", path, "a path no other array has")
+            read[found["path"]] = self._entry(found, sizes, where)
+        return tuple(read[path] for path in sorted(read))
+
+    def _entry(self, array: dict[str, Any], sizes: dict[str, int], where: str) -> PlanEntry:
+        from flax_escale.plan._plan import PlanEntry  # (it imports this module)
+
+        shape = array["shape"]
+        self._check_spec(array["spec"], shape, sizes, where)
+        for index, completion in enumerate(array["completed"]):
+            if completion.mesh_axis not in sizes:
+                self.fail(
+                    f"{where}, field 'completed[{index}].mesh_axis'",
+                    completion.mesh_axis,
+                    f"an axis of the plan's mesh {list(sizes)}",
+                )
+        resolution = Resolution(
+            array["resolved_axes"],
+            array["spec"],
+            shape,
+            tuple(sizes.items()),
+            array["rules_spec"],
+            array["corrections"],
+            array["passed_over"],
+            array["unknown_names"],
+            array["padded"],
+            array["completed"],
+        )
+        return PlanEntry(array["path"], shape, array["dtype"], array["annotation"], resolution)
+
+    def _check_spec(
+        self, spec: PartitionSpec, shape: tuple[int, ...], sizes: dict[str, int], where: str
+    ) -> None:
+        # What the plan resolved is valid on its mesh (the resolver fits every spec), so
+        # anything else was written by hand or damaged.
+        field = f"{where}, field 'spec'"
+        if len(spec) > len(shape):
+            self.fail(field, _spec_data(spec), f"at most one entry per dimension of {list(shape)}")
+        used: set[str] = set()
+        for dim, entry in enumerate(spec):
+            axes = mesh_axes_of(entry)
+            for axis in axes:
+                if axis not in sizes:
+                    self.fail(field, _spec_data(spec), f"axes of the plan's mesh {list(sizes)}")
+                if axis in used:
+                    self.fail(field, _spec_data(spec), f"each mesh axis once (not {axis!r} twice)")
+                used.add(axis)
+            split = math.prod(sizes[a] for a in axes)
+            if shape[dim] % split:
+                self.fail(
+                    field,
+                    _spec_data(spec),
+                    f"dimension {dim} (size {shape[dim]}) split by axes that divide it, not "
+                    f"{axes} ({split})",
+                )
 
 
 def _entry(entry: Any) -> dict[str, Any]:
@@ -157,21 +342,6 @@ def _annotation_data(a: Annotation) -> dict[str, Any]:
     }
 
 
-def _annotation(array: dict[str, Any]) -> Annotation | None:
-    a = array["annotation"]
-    if a is None:
-        return None
-    return Annotation(
-        logical_axes=None if a["logical_axes"] is None else _names(a["logical_axes"]),
-        mesh_axes=None if a["mesh_axes"] is None else tuple(_spec(a["mesh_axes"])),
-        source=a["source"],
-        rules=None if a["rules"] is None else _frozen_rules(a["rules"]),
-        local_rules=_frozen_rules(a["local_rules"]),
-        names_may_be_mesh_axes=a["names_may_be_mesh_axes"],
-        follows=None if a["follows"] is None else (a["follows"][0], tuple(a["follows"][1])),
-    )
-
-
 def _spec_data(spec: Any) -> list[Any]:
     entries = []
     for entry in spec:
@@ -187,44 +357,8 @@ def _spec_data(spec: Any) -> list[Any]:
     return entries
 
 
-def _spec(data: list[Any]) -> PartitionSpec:
-    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in data))
-
-
-def _names(data: list[Any]) -> tuple[Any, ...]:
-    return tuple(tuple(n) if isinstance(n, list) else n for n in data)
-
-
 def _rules(rules: Any) -> list[list[Any]]:
     return [[name, list(t) if isinstance(t, tuple) else t] for name, t in rules]
-
-
-def _frozen_rules(data: list[list[Any]]) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in data)
-
-
-def _mesh(
-    sizes: dict[str, int], types: list[str] | None, mesh: Mesh | AbstractMesh | None
-) -> Mesh | AbstractMesh:
-    if mesh is None:
-        # JSON written before the types were recorded loads on Auto axes: what a bare
-        # AbstractMesh had in the JAX versions that wrote it.
-        types = ["Auto"] * len(sizes) if types is None else types
-        known = {t.name for t in AxisType}
-        if len(types) != len(sizes) or not set(types) <= known:
-            raise EscaleError(
-                f"ShardingPlan.from_json: axis_types {types!r} are not one of {sorted(known)} "
-                f"per axis of the mesh {sizes}; pass what ShardingPlan.to_json() wrote."
-            )
-        kinds = tuple(AxisType[t] for t in types)
-        return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=kinds)
-    given = dict(getattr(mesh, "shape", {}) or {})
-    if not isinstance(mesh, (Mesh, AbstractMesh)) or given != sizes:
-        raise EscaleError(
-            f"ShardingPlan.from_json: mesh {check.describe(mesh)} is not the plan's mesh "
-            f"{sizes}; pass a mesh of the same axes and sizes, or none (an abstract mesh)."
-        )
-    return mesh
 
 
 def _keyed_by_path(paths: list[str]) -> Any:

@@ -14,7 +14,13 @@ from flax_escale.plan._serialize import FORMAT
 __all__ = ["UPDATE_SNAPSHOTS", "PlanMismatchError", "assert_plan_matches"]
 
 UPDATE_SNAPSHOTS = "FLAX_ESCALE_UPDATE_SNAPSHOTS"
-"""The environment variable that, set to ``1``, makes :func:`assert_plan_matches` write."""
+"""The environment variable that, set to ``1``, makes :func:`assert_plan_matches` write.
+
+``true``, ``yes`` and ``on`` (in any case) mean the same; ``0``, ``false``, ``no``, ``off`` or
+the variable unset or empty mean compare; any other value is an error.
+"""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 class PlanMismatchError(EscaleError, AssertionError):
@@ -34,14 +40,15 @@ def assert_plan_matches(
         plan: The plan of the model as it is now.
         snapshot: The snapshot file (``ShardingPlan.to_json`` text).
         update: Write ``plan`` to ``snapshot`` instead of comparing; ``None`` (the default)
-            reads the :data:`UPDATE_SNAPSHOTS` environment variable (``1``: write). Only a
-            missing file or a plan snapshot is written over.
+            reads the :data:`UPDATE_SNAPSHOTS` environment variable (``1``, ``true``, ``yes``
+            or ``on``: write). Only a missing file or a plan snapshot is written over.
 
     Raises:
         PlanMismatchError: If the snapshot is missing or differs, listing each array that
             changed and saying how to update the snapshot.
         EscaleError: If ``snapshot`` exists but is not a plan snapshot (it is never
-            overwritten then).
+            overwritten then), cannot be read or written (a folder without permission), or
+            :data:`UPDATE_SNAPSHOTS` holds a value that is neither true nor false.
         EscaleTypeError: If ``plan`` is not a ``ShardingPlan`` or ``snapshot`` not a path.
 
     Example:
@@ -75,12 +82,11 @@ def assert_plan_matches(
         )
     path = Path(snapshot)
     if update is None:
-        update = os.environ.get(UPDATE_SNAPSHOTS, "") == "1"
+        update = _update_from_environment()
     update = check.flag(update, "update")
     text = _read_snapshot(path)
     if update:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(plan.to_json())
+        _write_snapshot(path, plan.to_json())
         return
     if text is None:
         raise PlanMismatchError(
@@ -88,7 +94,7 @@ def assert_plan_matches(
             f"{UPDATE_SNAPSHOTS}=1 in the environment (or update=True), check it in, and "
             "review it like code."
         )
-    changes = ShardingPlan.from_json(text).diff(plan)
+    changes = ShardingPlan.from_json(text, source=path).diff(plan)
     if changes:
         raise PlanMismatchError(
             f"the plan differs from the snapshot {str(path)!r} (before: the snapshot, after: "
@@ -97,15 +103,54 @@ def assert_plan_matches(
         )
 
 
+def _update_from_environment() -> bool:
+    value = os.environ.get(UPDATE_SNAPSHOTS, "")
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise EscaleError(
+        f"assert_plan_matches: the environment variable {UPDATE_SNAPSHOTS}={value!r} is neither "
+        f"true nor false; set it to one of {', '.join(_TRUE)} (any case) to write the "
+        f"snapshots, or to one of {', '.join(repr(v) for v in _FALSE)} or unset it to compare "
+        "them."
+    )
+
+
+def _unusable(path: Path, doing: str, error: OSError) -> EscaleError:
+    return EscaleError(
+        f"assert_plan_matches: cannot {doing} snapshot={str(path)!r}: "
+        f"{error.strerror or error} ({error.filename or str(path)!r}); give a path in a "
+        "folder you can read and write."
+    )
+
+
+def _write_snapshot(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:
+        raise _unusable(path, "write", error) from None
+
+
 def _read_snapshot(path: Path) -> str | None:
     # The text of a plan snapshot at `path`, None if there is no file; anything else there is
     # not ours, to read or to write over.
-    if not path.exists():
-        return None
     try:
-        text = path.read_text()
+        if not path.exists():
+            return None
+        if path.is_dir():
+            raise EscaleError(
+                f"assert_plan_matches: snapshot={str(path)!r} is a folder; name a file in it, "
+                f"such as {str(path / 'plan.json')!r}."
+            )
+        raw = path.read_bytes()
+    except OSError as error:
+        raise _unusable(path, "read", error) from None
+    try:
+        text = raw.decode("utf-8")
         found = json.loads(text).get("format")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
         found = error
     if found != FORMAT:
         raise EscaleError(

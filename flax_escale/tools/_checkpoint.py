@@ -14,23 +14,34 @@ inside each call, and the checkpoint is complete only once every process wrote i
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import re
 import shutil
-import tempfile
 from typing import Any
 
 import jax
 import numpy as np
+from flax import linen, nnx
 from flax.core import meta
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import peer_loss_as_mesh_error
-from flax_escale.plan._paths import is_box, path_of
+from flax_escale.plan._paths import is_box, path_of, unbox
+from flax_escale.tools._checkpoint_dirs import (
+    OLD,
+    TMP,
+    check_destination,
+    read_record,
+    readable_checkpoint,
+    recover,
+    refuse_inside_a_checkpoint,
+    refuse_reserved,
+    write_record,
+)
 from flax_escale.tools._checksum import ALGORITHM, checksums
 
 __all__ = ["restore_checkpoint", "save_checkpoint"]
@@ -47,36 +58,48 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
     Nothing but a checkpoint is ever replaced, and only the directories a save of
     ``directory`` creates beside it (``<directory>.flax-escale-tmp``, its orbax temporary, and
     ``<directory>.flax-escale-old``) are ever deleted; names ending like them are reserved.
-    Where the checkpoint could not be written or swapped in, the save is refused before
-    anything is written.
+    A save records every file it writes, and ``force=True`` refuses a checkpoint that holds
+    anything else. A save inside a checkpoint (``run/step_2`` where ``run`` is one) is refused,
+    since the next save of ``run`` would have to delete it. Where the checkpoint could not be
+    written or swapped in, the save is refused before anything is written.
+
+    The arrays may live on different sets of devices (a serving layout with some weights on a
+    sub-mesh); their checksums are computed on each set apart.
 
     Args:
         directory: Where to write; must not exist unless ``force`` (its parents are created).
-        tree: The arrays: a Flax ``TrainState``, ``nnx.state(model)``, any pytree.
+        tree: The arrays: a Flax ``TrainState``, ``nnx.state(model)`` (not the module), any
+            pytree of them (not one array alone).
         force: Overwrite an existing checkpoint (or an empty directory), and nothing else.
 
     Raises:
         EscaleError: If ``directory`` exists and ``force`` is false; if it is a file, or a
-            directory that holds something other than a checkpoint; if its name is reserved
+            directory that holds something other than a checkpoint, or a checkpoint that also
+            holds what no save wrote; if it is inside a checkpoint; if its name is reserved
             or holds a NUL character;
             or if it cannot be written (a read-only or missing file system, a parent that is
             a file) or replaced (a read-only checkpoint).
             If writing fails (a full disk, say), or an array of ``tree`` was deleted (donated
             to a jitted step).
-        EscaleTypeError: If ``directory`` is not a path, ``tree`` holds no array or an
-            abstract one (``jax.ShapeDtypeStruct``), or ``force`` is not a bool.
+        EscaleTypeError: If ``directory`` is not a path, ``tree`` is a module (NNX or Linen)
+            or a single array, holds no array or an abstract one (``jax.ShapeDtypeStruct``),
+            or ``force`` is not a bool.
     """
     path = os.path.abspath(check.path(directory, "directory"))
+    _refuse_what_is_not_a_tree(
+        tree, "tree", "save nnx.state(model) (restore it into nnx.state of a new one)"
+    )
     check.tree_of_arrays(tree, "tree")
     force = check.flag(force, "force")
     _check_savable(tree)
-    _refuse_reserved(path)
+    refuse_reserved(path)
+    refuse_inside_a_checkpoint(path)
     _sync("flax_escale_save_start")  # every process has checked what is there before it changes
     if jax.process_index() == 0:
-        _recover(path)
+        recover(path)
     _sync("flax_escale_save_recovered")
-    _check_destination(path, force)
-    tmp, old = path + _TMP, path + _OLD
+    check_destination(path, force)
+    tmp, old = path + TMP, path + OLD
     checkpointer = _orbax().StandardCheckpointer()
     try:
         with peer_loss_as_mesh_error(f"saving the checkpoint {path!r}"):
@@ -84,7 +107,7 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
             checkpointer.save(tmp, tree, force=True)
             checkpointer.wait_until_finished()
             if jax.process_index() == 0:
-                _write_checksums(tmp, sums)
+                write_record(tmp, sums)
             _sync("flax_escale_save_written")  # the new checkpoint is complete on every process
     except MeshError:  # a lost peer process, said as such
         raise
@@ -114,24 +137,28 @@ def restore_checkpoint(
         target: A tree shaped like the saved one whose leaves are arrays or
             ``jax.ShapeDtypeStruct`` carrying the shardings to restore into (for example the
             state ``init_train_state`` or ``nnx.state(init_sharded(...))`` gives on the new mesh,
-            or ``jax.eval_shape`` of it with shardings).
+            or ``jax.eval_shape`` of it with shardings). A ``NamedSharding`` must be on a
+            concrete ``Mesh``; an array on one device restores onto that device.
         shardings: A tree of ``NamedSharding`` shaped like ``target`` (for example
             ``plan.shardings()`` of a ``ShardingPlan``), or one ``NamedSharding`` for every
             leaf, that replaces the target's own shardings.
         cast: Convert saved arrays whose dtype differs from the target's, within one kind
             (float32 into bfloat16, say); without it such a leaf is an error, and a conversion
-            between kinds (float into int) always is.
+            between kinds (float into int) always is. A converted leaf is read as saved,
+            its checksum compared, and then converted.
 
     Returns:
         The restored tree, every array in its target sharding.
 
     Raises:
         EscaleError: If ``directory`` holds a NUL character, there is no complete checkpoint
-            at it, the target's structure, shapes or (without ``cast``) dtypes differ from the
-            saved ones, or a target leaf has no sharding, or ``shardings`` is not shaped like
-            ``target``.
-        EscaleTypeError: If ``directory`` is not a path, ``target`` holds no array, a
-            ``shardings`` leaf is not a ``NamedSharding``, or ``cast`` is not a bool.
+            at it or it cannot be read, the target's structure, shapes or (without ``cast``)
+            dtypes differ from the saved ones, a target leaf has no sharding, a sharding (the
+            target's or from ``shardings``) does not fit its leaf's shape, ``shardings`` is not
+            shaped like ``target``, or the restored values' checksums differ from the saved.
+        EscaleTypeError: If ``directory`` is not a path, ``target`` is a module (NNX or Linen)
+            or a single array or holds no array, a ``shardings`` leaf is not a
+            ``NamedSharding``, a sharding is on an ``AbstractMesh``, or ``cast`` is not a bool.
 
     Example:
         >>> import os
@@ -153,24 +180,27 @@ def restore_checkpoint(
         (P(None, 'tp'), True)
     """
     path = os.path.abspath(check.path(directory, "directory"))
+    fix = "pass nnx.state(model), then put the result in with nnx.update(model, restored)"
+    _refuse_what_is_not_a_tree(target, "target", fix)
     check.tree_of_arrays(target, "target")
     cast = check.flag(cast, "cast")
     if shardings is not None:
         target = _with_shardings(target, shardings)
-    path = _readable_checkpoint(path)
-    abstract = jax.tree.map(_abstract, target)
+    path = readable_checkpoint(path)
+    abstract = jax.tree_util.tree_map_with_path(_abstract, target)
     checkpointer = _orbax().StandardCheckpointer()
     try:
         saved = checkpointer.metadata(path).item_metadata.tree
     except Exception as err:  # orbax and tensorstore raise bare exceptions
         raise EscaleError(_damaged(path, err)) from None
-    _check_against_saved(path, abstract, saved, cast=cast)
+    _check_against_saved(path, _stored_form(abstract), saved, cast=cast)
     _check_divisible(path, abstract)
+    converted = _converted(_stored_form(abstract), saved)
     try:
         with peer_loss_as_mesh_error(f"restoring the checkpoint {path!r}"):
-            restored = checkpointer.restore(path, abstract)
-            _verify_checksums(path, restored, skip=_converted(abstract, saved))
-            return restored
+            # Read as stored, so that the checksums see the saved bits; converted after.
+            restored = checkpointer.restore(path, _as_stored(abstract, saved, converted))
+            _verify_checksums(path, restored)
     except (MeshError, EscaleError):  # a lost peer process, or data that is not what was saved
         raise
     except Exception as err:  # orbax and tensorstore raise bare exceptions
@@ -181,17 +211,56 @@ def restore_checkpoint(
                 f"{path!r}: {difference}; restore into a tree of the kind that was saved."
             ) from None
         raise EscaleError(_damaged(path, err)) from None
+    return _cast(restored, abstract, converted)
+
+
+def _refuse_what_is_not_a_tree(value: Any, argument: str, fix: str) -> None:
+    # A module is not its state: NNX modules flatten to another tree than nnx.state gives (a
+    # checkpoint of one restores into neither), and a Linen module holds no arrays at all.
+    # A lone array is not a tree either: orbax's standard checkpoints refuse one.
+    if is_box(value) or hasattr(value, "shape"):
+        raise EscaleTypeError(
+            f"{argument}: got a single {'variable' if is_box(value) else 'array'} "
+            f"{_describe(unbox(value))}, where a checkpoint holds a tree of them; put it in a "
+            "dict, e.g. {'w': " + argument + "}, to save and to restore alike."
+        )
+    if isinstance(value, nnx.Module):
+        raise EscaleTypeError(
+            f"{argument}: got the NNX module {type(value).__name__}, not its state; {fix}."
+        )
+    if isinstance(value, linen.Module):
+        raise EscaleTypeError(
+            f"{argument}: got the Linen module {type(value).__name__}, which holds no arrays; "
+            "pass its variables (what model.init or init_sharded returned) or a TrainState."
+        )
+
+
+def _concrete(sharding: Any, argument: str, name: str) -> None:
+    # An AbstractMesh names axes but no devices: there is nowhere to read the arrays into.
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+        raise EscaleTypeError(
+            f"{argument}: the leaf {name!r} has a NamedSharding on an AbstractMesh "
+            f"{dict(sharding.mesh.shape)}, which has no devices to restore onto; build the "
+            "shardings on a concrete jax.sharding.Mesh (create_mesh(...)), e.g. "
+            "plan_sharding(model, mesh, ...).shardings() with that mesh."
+        )
 
 
 def _with_shardings(target: Any, shardings: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(target, is_leaf=is_box)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_box)
+    leaves = [leaf for _, leaf in flat]
     if isinstance(shardings, NamedSharding):
         given = [shardings] * len(leaves)
     else:
         given = check.structure_like(shardings, target, "shardings", "target", is_leaf=is_box)
-    for sharding in given:
+    for (key_path, leaf), sharding in zip(flat, given, strict=True):
         if not isinstance(sharding, NamedSharding):
             check.named_sharding(sharding, "shardings")
+        name = path_of(key_path)
+        _concrete(sharding, "shardings", name)
+        shape = getattr(unbox(leaf), "shape", None)
+        if shape is not None:
+            check.sharding_fits(sharding, shape, f"shardings: the sharding of the leaf {name!r}")
     return treedef.unflatten(
         [
             _rebox(leaf, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
@@ -210,38 +279,9 @@ def _rebox(leaf: Any, value: jax.ShapeDtypeStruct) -> Any:
     return leaf.replace(value)
 
 
-_TMP = ".flax-escale-tmp"  # the new checkpoint while it is written
-_OLD = ".flax-escale-old"  # the previous one between the two renames of a swap
-_ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own directory while it writes
-_PROBE = ".flax-escale-probe-"  # made and removed at once: is the destination writable?
-_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
-_CHECKSUMS = "flax_escale_checksums.json"  # the saved arrays' checksums, by leaf path
-
-
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
-
-
-def _leftovers(path: str) -> list[str]:
-    """What interrupted saves of ``path`` left beside it: the very directories a save makes."""
-    parent, base = os.path.split(path)
-    try:
-        names = os.listdir(parent)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    # Exactly the names a save makes: a sibling that merely begins like them is not ours.
-    ours = re.compile(
-        "|".join(
-            [
-                re.escape(base + _TMP),
-                re.escape(base + _OLD),
-                re.escape(base + _TMP + _ORBAX_TMP) + r"(-\d+)?",
-                re.escape(base + _PROBE) + r"[a-z0-9_]{8}",  # tempfile's random suffix
-            ]
-        )
-    )
-    return sorted(os.path.join(parent, n) for n in names if ours.fullmatch(n))
 
 
 def _check_savable(tree: Any) -> None:
@@ -264,105 +304,6 @@ def _check_savable(tree: Any) -> None:
                 f"tree: the array at {path_of(key_path)!r} was deleted (donated to a jitted step, "
                 "which reuses its memory); save the state the step returned instead."
             )
-
-
-def _refuse_reserved(path: str) -> None:
-    base = os.path.basename(path)
-    if base.endswith((_TMP, _OLD)) or _ORBAX_TMP in base:
-        raise EscaleError(
-            f"directory: {path!r} is named like the temporary directories a save makes "
-            f"(names ending in {_TMP!r} or {_OLD!r}, or holding {_ORBAX_TMP!r}), which the "
-            "next save beside it would delete; choose another name."
-        )
-
-
-def _check_destination(path: str, force: bool) -> None:
-    """Refuses, before anything is written, a save that could not end with a checkpoint."""
-    if os.path.lexists(path):
-        if not os.path.isdir(path) or os.path.islink(path):
-            raise EscaleError(
-                f"directory: {path!r} is a file, not a checkpoint directory; save_checkpoint "
-                "writes a directory and never replaces a file: choose another path."
-            )
-        names = os.listdir(path)
-        if not force:
-            raise EscaleError(
-                f"checkpoint directory {path!r} exists; pass force=True to overwrite."
-            )
-        if names and not any(marker in names for marker in _MARKERS):
-            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-            raise EscaleError(
-                f"directory: {path!r} is not a checkpoint (it holds {shown}), and force=True "
-                "replaces only a checkpoint; choose another path, or move its contents away "
-                "yourself."
-            )
-        for folder, _, _ in os.walk(path):
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise EscaleError(
-                    f"directory: cannot replace the checkpoint {path!r}: {folder!r} is "
-                    "read-only, so the old checkpoint could not be deleted once the new one is "
-                    "in place; make it writable, or save elsewhere."
-                )
-    parent = os.path.dirname(path)
-    existing = parent
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise EscaleError(
-            f"directory: cannot write the checkpoint {path!r}: {existing!r} is a file, not a "
-            "directory; choose a path whose parents are directories."
-        )
-    try:
-        os.makedirs(parent, exist_ok=True)
-        # A directory made and removed: whether the new checkpoint can be written here at
-        # all, before orbax's writer threads start (on an error they never end).
-        os.rmdir(tempfile.mkdtemp(prefix=os.path.basename(path) + _PROBE, dir=parent))
-    except OSError as error:
-        raise EscaleError(
-            f"directory: cannot write the checkpoint {path!r}: {error.strerror or error} "
-            f"({error.filename or parent!r}); give a directory on a writable file system."
-        ) from None
-
-
-def _recover(path: str) -> None:
-    """Puts the directories an interrupted save left back to one whole checkpoint at ``path``.
-
-    A save swaps by renaming ``path`` to ``<path>.flax-escale-old``, then the complete
-    ``<path>.flax-escale-tmp`` to ``path``. Killed between the two, ``path`` is missing and the
-    old checkpoint is renamed back; any other leftover is incomplete or superseded and deleted.
-    """
-    old = path + _OLD
-    if not os.path.exists(path) and os.path.isdir(old):
-        os.rename(old, path)
-    for leftover in _leftovers(path):
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _readable_checkpoint(path: str) -> str:
-    """The directory holding the whole checkpoint saved at ``path``, or a clear error."""
-    base = os.path.basename(path)
-    if _TMP in base or _ORBAX_TMP in base:
-        raise EscaleError(
-            f"incomplete checkpoint, left by an interrupted save at {path!r}; restore the "
-            "checkpoint it was saving to instead (the next save deletes this directory)."
-        )
-    if not os.path.exists(path) and os.path.isdir(path + _OLD):
-        path += _OLD  # killed between the two renames of a swap: the old checkpoint is whole
-    if not os.path.exists(path):
-        leftovers = _leftovers(path)
-        found = f"; an interrupted save left only {leftovers} (incomplete)" if leftovers else ""
-        raise EscaleError(f"no checkpoint at {path!r}: the directory does not exist{found}.")
-    if not os.path.isdir(path):
-        raise EscaleError(f"not a checkpoint: {path!r} is a file, not a checkpoint directory.")
-    names = os.listdir(path)
-    if not names:
-        raise EscaleError(f"not a checkpoint: {path!r} is an empty directory.")
-    if not any(marker in names for marker in _MARKERS):
-        raise EscaleError(
-            f"not a checkpoint: {path!r} holds no checkpoint metadata ({', '.join(_MARKERS)}); "
-            "give the directory save_checkpoint wrote."
-        )
-    return path
 
 
 def _damaged(path: str, err: BaseException) -> str:
@@ -407,11 +348,6 @@ def _container(node: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def _write_checksums(directory: str, sums: dict[str, int | None]) -> None:
-    with open(os.path.join(directory, _CHECKSUMS), "w") as file:
-        json.dump({"algorithm": ALGORITHM, "leaves": sums}, file)
-
-
 def _converted(abstract: Any, saved: Any) -> set[str]:
     # The leaves cast converts (a converted leaf holds other bits than were saved).
     stored = _by_path(saved)
@@ -424,13 +360,10 @@ def _converted(abstract: Any, saved: Any) -> set[str]:
     }
 
 
-def _verify_checksums(path: str, restored: Any, *, skip: set[str]) -> None:
+def _verify_checksums(path: str, restored: Any) -> None:
     """Names the leaves whose restored values are not the ones saved (when sums were kept)."""
     try:
-        with open(os.path.join(path, _CHECKSUMS)) as file:
-            stored = json.load(file)
-    except FileNotFoundError:
-        return  # saved before checksums were kept, or by orbax directly: nothing to compare
+        stored = read_record(path)
     except (OSError, ValueError) as err:
         raise EscaleError(
             f"restore_checkpoint: the checksums saved with {path!r} are unreadable ({err}); the "
@@ -443,7 +376,7 @@ def _verify_checksums(path: str, restored: Any, *, skip: set[str]) -> None:
     wrong = [
         name
         for name, sums in found.items()
-        if sums is not None and expected.get(name) not in (None, sums) and name not in skip
+        if sums is not None and expected.get(name) not in (None, sums)
     ]
     if wrong:
         raise EscaleError(
@@ -513,16 +446,67 @@ def _kind(dtype: Any) -> str:
     return {"c": "complex", "b": "bool"}.get(found.kind, "integer")
 
 
-def _abstract(leaf: Any) -> Any:
+def _abstract(key_path: Any, leaf: Any) -> Any:
     if not hasattr(leaf, "shape"):
         return leaf
-    sharding = getattr(leaf, "sharding", None)
+    name, sharding = path_of(key_path), getattr(leaf, "sharding", None)
+    if isinstance(sharding, SingleDeviceSharding):  # an array on one device: restored there
+        sharding = NamedSharding(Mesh(np.array(list(sharding.device_set)), ("device",)), P())
     if not isinstance(sharding, NamedSharding):
         raise EscaleError(
-            f"restore_checkpoint: a target leaf of shape {leaf.shape} has sharding {sharding!r}; "
-            "give targets with NamedSharding (or pass shardings=)."
+            f"restore_checkpoint: the target leaf {name!r} of shape {leaf.shape} has sharding "
+            f"{sharding!r}; give targets with NamedSharding (or pass shardings=)."
         )
+    _concrete(sharding, "target", name)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _stored_form(abstract: Any) -> Any:
+    """The shapes and dtypes the files hold for ``abstract``: a PRNG key as its key data."""
+
+    def stored(leaf: Any) -> Any:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
+            return jax.eval_shape(jax.random.key_data, leaf)
+        return leaf
+
+    return jax.tree.map(stored, abstract)
+
+
+def _as_stored(abstract: Any, saved: Any, converted: set[str]) -> Any:
+    """``abstract`` with the saved dtype where ``cast`` converts: what the files hold."""
+    stored = _by_path(saved)
+
+    def as_saved(key_path: Any, leaf: Any) -> Any:
+        name = path_of(key_path)
+        if name not in converted:
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, stored[name].dtype, sharding=leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(as_saved, abstract)
+
+
+def _cast(restored: Any, abstract: Any, converted: set[str]) -> Any:
+    """The leaves of ``restored`` named in ``converted``, in the target's dtype and sharding."""
+    if not converted:
+        return restored
+    targets = _by_path(abstract)
+
+    def convert(key_path: Any, leaf: Any) -> Any:
+        name = path_of(key_path)
+        if name not in converted:
+            return leaf
+        value = _astype(leaf, np.dtype(targets[name].dtype))
+        leaf.delete()  # one leaf at a time: the saved dtype's copy goes as soon as it is cast
+        return value
+
+    return jax.tree_util.tree_map_with_path(convert, restored)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x.astype(dtype)  # elementwise: the result keeps x's sharding
 
 
 def _orbax() -> Any:

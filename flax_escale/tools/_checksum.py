@@ -3,8 +3,10 @@
 A checkpoint's files may change after it is saved (a flipped bit on disk, a partial copy) and
 orbax keeps no checksum of the data: a damaged chunk can restore as wrong numbers without a
 word. Each array's values are summarized by a weighted sum of their bits, computed on the
-devices that hold the array (one jitted program for the whole tree, so a sharded array is never
-gathered), and compared after a restore into any layout.
+devices that hold the array (one jitted program per set of devices the tree's arrays live on,
+so a sharded array is never gathered, and a tree laid out over several device sets, as a serving
+layout puts some weights on a sub-mesh, is summed where each array lives), and compared after a
+restore into any layout.
 
 Every element's bits, as one ``uint32``, are multiplied by an odd weight that depends on its
 position and summed modulo 2**32: an odd weight is invertible modulo 2**32, so a change to any
@@ -40,11 +42,22 @@ def checksums(tree: Any) -> dict[str, int | None]:
         (True, False)
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    summed = {path_of(p): leaf for p, leaf in flat if _summable(getattr(leaf, "dtype", None))}
     found: dict[str, int | None] = {path_of(key_path): None for key_path, _ in flat}
-    if summed:
+    # One program per device set: a program runs on one set of devices, and the arrays of a
+    # serving layout may live on several (some on a sub-mesh of the others' devices).
+    groups: dict[frozenset[Any] | None, dict[str, Any]] = {}
+    for key_path, leaf in flat:
+        if _summable(getattr(leaf, "dtype", None)):
+            groups.setdefault(_devices_of(leaf), {})[path_of(key_path)] = leaf
+    for summed in groups.values():
         found.update({path: int(s) for path, s in jax.device_get(_sums(summed)).items()})
     return found
+
+
+def _devices_of(leaf: Any) -> frozenset[Any] | None:
+    # The devices an array lives on; None for a host value (numpy), which goes anywhere.
+    sharding = getattr(leaf, "sharding", None)
+    return None if sharding is None else frozenset(sharding.device_set)
 
 
 @jax.jit

@@ -158,10 +158,22 @@ def write_html(path: str | os.PathLike[str], page: str) -> Path:
 
     Raises:
         EscaleTypeError: If ``path`` is not a path.
-        EscaleError: If ``path`` is a folder, its folder is missing, or it is a file the
-            library did not write (it is left as it is).
+        EscaleError: If ``path`` is a folder, its folder is missing or cannot be written
+            (no permission, a read-only file system), or it is a file the library did not
+            write (it is left as it is).
     """
     target = Path(check.path(path, "html"))
+    try:
+        _write(target, path, page)
+    except OSError as error:
+        raise EscaleError(
+            f"html={os.fspath(path)!r}: cannot write the report: {error.strerror or error} "
+            f"({error.filename or os.fspath(path)!r}); write it to a folder you can write to."
+        ) from None
+    return target
+
+
+def _write(target: Path, path: str | os.PathLike[str], page: str) -> None:
     if target.is_dir():
         raise EscaleError(
             f"html={os.fspath(path)!r} is a folder; name a file in it, such as "
@@ -184,15 +196,12 @@ def write_html(path: str | os.PathLike[str], page: str) -> Path:
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
-    return target
 
 
 def _ours(path: Path) -> bool:
-    try:
-        with path.open("rb") as file:
-            return MARKER.encode() in file.read(_HEAD_BYTES)
-    except OSError:
-        return False
+    # A file that cannot be read is not known to be ours: write_html says why it stops.
+    with path.open("rb") as file:
+        return MARKER.encode() in file.read(_HEAD_BYTES)
 
 
 def _template() -> str:

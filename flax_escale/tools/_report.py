@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from rich.console import Console
 from rich.table import Table
 
@@ -19,7 +19,7 @@ from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan import annotated_leaves, arrays_only
 from flax_escale.plan._plan import ShardingPlan, build_plan, format_bytes
-from flax_escale.resolve import RulesLike
+from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.resolve._fit import Correction
 from flax_escale.sharding import spec_from_shape
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
@@ -146,6 +146,13 @@ def sharding_report(
     Logical annotations (Linen boxes, NNX ``logical_axes`` metadata) are resolved with
     ``rules``; otherwise an array's own ``NamedSharding`` is shown.
 
+    A report shows one mesh, and arrays where they are. A plan is shown on its own mesh (or
+    ``mesh=`` of the same axes and sizes: real devices for a plan loaded from JSON); to see
+    a model on another mesh or with other rules, plan it again. Arrays that carry a
+    ``NamedSharding`` are shown on their mesh: a tree whose arrays live on two meshes (a
+    serving layout with some weights on a sub-mesh), or ``mesh=`` other than theirs, is
+    refused, naming each mesh and its arrays; report each mesh's part of the tree apart.
+
     With ``html``, the report is also written as one self-contained web page (no network
     needed to open it): the mesh, each device's memory (parameters apart from optimizer
     state, against the ideal share), every array in a table with a filter, and for the array
@@ -156,8 +163,11 @@ def sharding_report(
 
     Args:
         tree: What to report on.
-        mesh: The mesh; defaults to the plan's, the arrays', then the current mesh.
-        rules: Logical-axis rules for logical annotations.
+        mesh: The mesh; defaults to the plan's, the arrays', then the current mesh. For a
+            plan, a mesh of its axes and sizes; for arrays with a ``NamedSharding``, theirs
+            (or an abstract mesh of its shape).
+        rules: Logical-axis rules for logical annotations; for a plan, only its own
+            (``plan.rules``) or ``None``.
         console: Where to print (a ``rich`` console); defaults to standard output.
         show: Print the table; ``False`` only returns the figures.
         html: Also write the report as a web page to this file (``str`` or ``os.PathLike``).
@@ -172,7 +182,11 @@ def sharding_report(
             not a console, ``show`` not a bool, ``html`` not a path or ``baseline`` not a
             ``ShardingPlan``.
         EscaleError: If ``html`` names a folder, a file in a missing folder, or an existing
-            file the library did not write (it is never overwritten).
+            file the library did not write (it is never overwritten); if ``mesh`` is not the
+            plan's axes and sizes, or not where the arrays live; if the arrays live on more
+            than one mesh; if ``rules`` are given with a plan made with others; or if
+            ``console`` is given with ``show=False``, or ``baseline`` with neither ``show``
+            nor ``html`` (nothing would use them).
 
     Example:
         >>> import jax
@@ -204,6 +218,7 @@ def sharding_report(
             f"console must be a rich.console.Console, got {check.describe(console)}; pass "
             "rich.console.Console() (or Console(file=...) to print elsewhere), or None."
         )
+    _check_used(show=show, console=console, html=html, baseline=baseline)
     plan = _as_plan(tree, mesh, rules)
     abstract = plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan])
     report = measure_layout(abstract, plan.specs(), plan.mesh, into=ShardingReport, plan=plan)
@@ -217,19 +232,28 @@ def sharding_report(
     return report
 
 
-def _as_plan(tree: Any, mesh: Mesh | None, rules: RulesLike) -> ShardingPlan:
+def _check_used(*, show: bool, console: Any, html: Any, baseline: Any) -> None:
+    # What is only printed or written must not be given where nothing is printed or written.
+    if not show and console is not None:
+        raise EscaleError(
+            "sharding_report: console= is where the table is printed, but show=False prints "
+            "nothing; drop console=, or leave show=True."
+        )
+    if not show and html is None and baseline is not None:
+        raise EscaleError(
+            "sharding_report: baseline= lists what changed in the printed table and on the "
+            "page, but show=False and no html= show neither; pass html=, leave show=True, or "
+            "compare the plans yourself: baseline.diff(report.plan)."
+        )
+
+
+def _as_plan(tree: Any, mesh: Mesh | AbstractMesh | None, rules: RulesLike) -> ShardingPlan:
     mesh = check.optional_mesh(mesh)
     if isinstance(tree, ShardingPlan):
-        return tree
+        return _plan_on(tree, mesh, rules)
     check.tree_of_arrays(tree, "tree")
     treedef, items = annotated_leaves(tree, own_sharding=True)
-    if mesh is None:
-        meshes = [
-            v.sharding.mesh
-            for _, v, _ in items
-            if isinstance(getattr(v, "sharding", None), NamedSharding)
-        ]
-        mesh = meshes[0] if meshes else None
+    mesh = _mesh_of(items, mesh)
     if mesh is None:
         try:
             mesh = current_mesh()
@@ -242,6 +266,90 @@ def _as_plan(tree: Any, mesh: Mesh | None, rules: RulesLike) -> ShardingPlan:
         # The report lists every correction itself.
         warnings.simplefilter("ignore")
         return build_plan(treedef, arrays, mesh, rules=rules)
+
+
+def _plan_on(
+    plan: ShardingPlan, mesh: Mesh | AbstractMesh | None, rules: RulesLike
+) -> ShardingPlan:
+    # A plan's specs are resolved already, for its own mesh and with its own rules: a mesh
+    # of the same axes and sizes (real devices for a plan loaded from JSON) can stand for
+    # its mesh; other rules or another shape would need a new plan, which only the model
+    # can give.
+    if rules is not None and as_logical_rules(rules) != plan.rules:
+        raise EscaleError(
+            "sharding_report: rules= cannot apply to a ShardingPlan, whose specs were resolved "
+            "with its own rules (plan.rules); plan the model with these rules "
+            "(fe.plan_sharding(model, mesh, rng, *inputs, rules=rules)) and report that plan, "
+            "or leave rules=None."
+        )
+    if mesh is None or mesh is plan.mesh:
+        return plan
+    if dict(mesh.shape) != dict(plan.mesh.shape):
+        raise EscaleError(
+            f"sharding_report: mesh=({mesh_text(mesh.shape)}) is not the plan's mesh "
+            f"({mesh_text(plan.mesh.shape)}), for which its specs were resolved; plan the "
+            "model on this mesh (fe.plan_sharding(model, mesh, rng, *inputs)) and report that "
+            "plan (plan.diff(other) lists what changes), or leave mesh=None."
+        )
+    return dataclasses.replace(plan, mesh=mesh)
+
+
+def _mesh_of(
+    items: list[tuple[str, Any, Any]], given: Mesh | AbstractMesh | None
+) -> Mesh | AbstractMesh | None:
+    # The one mesh the arrays that carry a NamedSharding live on (checked against mesh=
+    # when it is given): a report shows one mesh, and shows arrays where they are.
+    homes: dict[Any, tuple[Mesh | AbstractMesh, list[str]]] = {}
+    for path, value, _ in items:
+        sharding = getattr(value, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            homes.setdefault(_where(sharding.mesh), (sharding.mesh, []))[1].append(path)
+    if given is not None:
+        elsewhere = [home for key, home in homes.items() if not _same_place(_where(given), key)]
+        if elsewhere:
+            raise EscaleError(
+                f"sharding_report: mesh=({_mesh_and_devices(given)}) is not where the arrays "
+                f"live: {_homes_text(elsewhere)}; a report shows arrays where they are: leave "
+                "mesh=None (their own mesh is used), or place them on this mesh first "
+                "(fe.reshard_tree)."
+            )
+        return given
+    if len(homes) > 1:
+        raise EscaleError(
+            f"sharding_report: the arrays live on {len(homes)} meshes: "
+            f"{_homes_text(list(homes.values()))}; a report shows one mesh: report the arrays "
+            "of each mesh apart (sharding_report(part) for each part of the tree)."
+        )
+    return next(iter(homes.values()))[0] if homes else None
+
+
+def _where(mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
+    # Axes, sizes and devices (None for an abstract mesh): the axis types do not change
+    # which device holds which block.
+    ids = None if isinstance(mesh, AbstractMesh) else tuple(d.id for d in mesh.devices.flat)
+    return tuple(mesh.shape.items()), ids
+
+
+def _same_place(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    # An abstract mesh stands for any devices in its shape.
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
+
+
+def _mesh_and_devices(mesh: Mesh | AbstractMesh) -> str:
+    ids = _where(mesh)[1]
+    if ids is None:
+        return f"{mesh_text(mesh.shape)}; abstract"
+    if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        return f"{mesh_text(mesh.shape)}; devices {ids[0]}-{ids[-1]}"
+    return f"{mesh_text(mesh.shape)}; devices {list(ids)}"
+
+
+def _homes_text(homes: list[tuple[Mesh | AbstractMesh, list[str]]]) -> str:
+    parts = []
+    for mesh, paths in homes:
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        parts.append(f"{paths[0]!r}{more} on ({_mesh_and_devices(mesh)})")
+    return ", ".join(parts)
 
 
 def check_sharded(
@@ -273,6 +381,8 @@ def check_sharded(
         EscaleTypeError: For ``tree`` or ``mesh`` as :func:`sharding_report` refuses them, or
             ``min_bytes``, ``top`` not an int or ``tolerance`` not a number (``EscaleError``
             when negative).
+        EscaleError: For ``mesh``, ``rules`` or arrays on several meshes, as
+            :func:`sharding_report` refuses them.
 
     Example:
         >>> import jax

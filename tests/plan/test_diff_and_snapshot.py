@@ -2,6 +2,8 @@
 
 import functools
 import json
+import os
+import re
 import warnings
 
 import flax.linen as nn
@@ -121,7 +123,7 @@ def test_from_json_refuses_what_to_json_did_not_write():
     with pytest.raises(EscaleError, match=r"is not the plan's mesh \{'dp': 1, 'fsdp': 4"):
         fe.ShardingPlan.from_json(text, other)
     bad = text.replace('"axis_types": ["Auto", ', '"axis_types": ["Implicit", ', 1)
-    with pytest.raises(EscaleError, match=r"axis_types \['Implicit', 'Auto'.*are not one of"):
+    with pytest.raises(EscaleError, match=r"'axis_types' is \['Implicit', 'Auto'.*expected one of"):
         fe.ShardingPlan.from_json(bad)
     short = text.replace('"axis_types": ["Auto", ', '"axis_types": [', 1)
     with pytest.raises(EscaleError, match=r"per axis of the mesh \{'dp': 1, 'fsdp': 4"):
@@ -241,6 +243,59 @@ def test_a_file_that_is_not_a_snapshot_is_never_written_over(tmp_path):
         assert_plan_matches({}, foreign)
     with pytest.raises(EscaleTypeError, match=r"snapshot must be a file path, got int 3"):
         assert_plan_matches(_plan(), 3)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "YES", "on", " On "])
+def test_every_usual_spelling_of_true_updates_the_snapshot(tmp_path, monkeypatch, value):
+    snapshot = tmp_path / "mlp.json"
+    monkeypatch.setenv(UPDATE_SNAPSHOTS, value)
+    assert_plan_matches(_plan(), snapshot)
+    assert_plan_matches(_plan(), snapshot, update=False)  # written: it compares equal
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "No", "OFF"])
+def test_every_usual_spelling_of_false_compares(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(UPDATE_SNAPSHOTS, value)
+    with pytest.raises(PlanMismatchError, match=r"does not exist"):
+        assert_plan_matches(_plan(), tmp_path / "mlp.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unrecognized_update_value_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(UPDATE_SNAPSHOTS, "please")
+    with pytest.raises(
+        EscaleError,
+        match=rf"the environment variable {UPDATE_SNAPSHOTS}='please' is neither true nor "
+        r"false; set it to one of 1, true, yes, on \(any case\) to write the snapshots, or to "
+        r"one of '', '0', 'false', 'no', 'off' or unset it to compare them",
+    ):
+        assert_plan_matches(_plan(), tmp_path / "mlp.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_folder_names_the_snapshot(tmp_path):
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("permission bits do not stop this user (root)")
+        for snapshot in (folder / "mlp.json", folder / "deeper" / "mlp.json"):
+            with pytest.raises(
+                EscaleError,
+                match=re.escape(f"cannot write snapshot={str(snapshot)!r}: Permission denied"),
+            ):
+                assert_plan_matches(_plan(), snapshot, update=True)
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(0o700)
+
+
+def test_a_folder_is_not_a_snapshot(tmp_path):
+    with pytest.raises(
+        EscaleError, match=re.escape(f"snapshot={str(tmp_path)!r} is a folder; name a file in it")
+    ):
+        assert_plan_matches(_plan(), tmp_path, update=True)
 
 
 def test_the_json_keeps_one_array_per_line():

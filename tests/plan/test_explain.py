@@ -235,5 +235,22 @@ def test_optimizer_state_names_the_parameter_it_follows():
 
 def test_a_path_the_plan_lacks_is_refused_with_close_paths():
     plan = _plan(*[(f"layer_{i}/kernel", (8, 8), None) for i in range(12)])
-    with pytest.raises(KeyError, match=r"no array at path 'layer_1/kernal'; close paths: \["):
+    # A library error (as the errors page promises) that is still the KeyError of a mapping.
+    with pytest.raises(
+        fe.plan.UnknownPathError,
+        match=r"^ShardingPlan\.explain: no array at path 'layer_1/kernal'; the closest: "
+        r"\['layer_1/kernel', ",
+    ) as caught:
         plan.explain("layer_1/kernal")
+    assert isinstance(caught.value, fe.EscaleError)
+    assert isinstance(caught.value, KeyError)
+    with pytest.raises(KeyError, match=r"no path of the plan is close to it \(the plan has 12"):
+        plan.explain("optimizer/mu")
+
+
+def test_explain_refuses_a_path_that_is_not_a_string():
+    plan = _plan(("w", (8, 8), None))
+    with pytest.raises(
+        fe.EscaleTypeError, match=r"ShardingPlan\.explain: path must be an array's path as a "
+    ):
+        plan.explain(0)

@@ -118,6 +118,48 @@ CASES = [
         id="build_plan-mesh-string",
     ),
     case(
+        lambda: fep.build_plan(jax.tree.structure({"w": 0}), [("w", X, None)], mesh5(), notes="n"),
+        T,
+        "notes",
+        "'n'",
+        r"pass \('n',\)",
+        id="build_plan-notes-string",
+    ),
+    case(
+        lambda: fep.build_plan(jax.tree.structure({"w": 0}), [("w", "x", None)], mesh5()),
+        T,
+        "items[0]",
+        "('w', 'x', None)",
+        r"annotated_leaves\(tree\) gives such items",
+        id="build_plan-item-not-an-array",
+    ),
+    case(
+        lambda: fep.build_plan(jax.tree.structure({"w": 0}), {"w": X}, mesh5()),
+        T,
+        "items",
+        "dict",
+        r"annotated_leaves\(tree\)\[1\]",
+        id="build_plan-items-dict",
+    ),
+    case(
+        lambda: fep.build_plan(jax.tree.structure({"w": 0, "v": 0}), [("w", X, None)], mesh5()),
+        T,
+        "treedef",
+        "PyTreeDef",
+        r"the treedef annotated_leaves\(tree\) gives",
+        id="build_plan-treedef-of-other-leaves",
+    ),
+    case(
+        lambda: fep.build_plan(
+            jax.tree.structure({"w": 0, "v": 0}), [("w", X, None), ("w", X, None)], mesh5()
+        ),
+        fe.EscaleError,
+        "build_plan",
+        "'w' 2 times",
+        r"give each item its own path",
+        id="build_plan-path-twice",
+    ),
+    case(
         lambda: fep.annotated_leaves("params"),
         T,
         "tree",

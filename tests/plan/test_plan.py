@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import flax_escale as fe
 from flax_escale import (
     EscaleError,
     PartitionAxis,
@@ -17,7 +18,7 @@ from flax_escale import (
     create_mesh,
     resolve_logical_axes,
 )
-from flax_escale.plan import Annotation, PlanEntry
+from flax_escale.plan import Annotation, PlanEntry, UnknownPathError
 from flax_escale.plan._plan import build_plan
 from flax_escale.resolve import Correction, fit_mesh_axes
 
@@ -263,8 +264,50 @@ def test_getitem_returns_the_entry(mesh):
 
 def test_getitem_unknown_path_raises_key_error(mesh):
     plan = _quiet_plan(mesh, {"a": _sds((4,)), "b": _sds((4,))}, {})
-    with pytest.raises(KeyError, match=r"no array at path 'c'; the plan has \['a', 'b'\]"):
+    with pytest.raises(
+        UnknownPathError,
+        match=r"^ShardingPlan\[path\]: no array at path 'c'; the plan has \['a', 'b'\]$",
+    ) as caught:
         plan["c"]
+    # Both the library's error and the KeyError a mapping raises, with a readable message.
+    assert isinstance(caught.value, fe.EscaleError)
+    assert isinstance(caught.value, KeyError)
+    assert str(caught.value).startswith("ShardingPlan[path]: no array")
+    with pytest.raises(UnknownPathError, match=r"the closest: \['a/kernel'\]"):
+        _quiet_plan(mesh, {"a": {"kernel": _sds((4,))}}, {})["a/kernal"]
+
+
+def test_in_get_iteration_and_len_agree_with_getitem(mesh):
+    plan = _quiet_plan(mesh, {"a": {"kernel": _sds((4,))}, "b": _sds((4,))}, {})
+    assert "a/kernel" in plan
+    assert "b" in plan
+    assert "a" not in plan
+    assert "a/kernal" not in plan
+    assert 3 not in plan
+    assert [e.path for e in plan] == ["a/kernel", "b"]
+    assert len(plan) == 2
+    for entry in plan:  # what iteration gives is in the plan too, and found at its path
+        assert entry in plan
+        assert entry.path in plan
+        assert plan[entry.path] is entry
+        assert plan.get(entry.path) is entry
+    assert plan.get("c") is None
+    assert plan.get("c", "none") == "none"
+    with pytest.raises(fe.EscaleTypeError, match=r"ShardingPlan\[path\] must be an array's path"):
+        plan[0]
+    with pytest.raises(fe.EscaleTypeError, match=r"ShardingPlan\.get: path must be .* got int 0"):
+        plan.get(0)
+
+
+def test_nbytes_per_device_on_a_mesh_without_the_plan_axes(mesh):
+    plan = _quiet_plan(mesh, {"w": _sds((8, 16))}, {"w": Annotation(logical_axes=HM)})
+    entry = plan["w"]
+    assert entry.spec != P()
+    other = fe.create_mesh((8,), ("data",))
+    with pytest.raises(fe.EscaleError, match=r"'w' has the spec .* names axes the mesh \(data=8\)"):
+        entry.nbytes_per_device(other)
+    with pytest.raises(fe.EscaleTypeError, match=r"nbytes_per_device: mesh must be a jax"):
+        entry.nbytes_per_device("fsdp:4")
 
 
 # Sizes.

@@ -608,3 +608,273 @@ def test_cast_never_converts_floats_into_another_kind(tmp_path, dtype, kinds):
     fe.save_checkpoint(tmp_path / "c", tree)
     with pytest.raises(fe.EscaleError, match=re.escape(f"{kinds} would change the values")):
         fe.restore_checkpoint(tmp_path / "c", _like(tree, dtype=dtype), cast=True)
+
+
+def _swap_data(checkpoint, other):
+    # The data files of `other`, under the record (checksums) of `checkpoint`: what a mixed-up
+    # copy leaves, with values that read back without an error.
+    record = (checkpoint / "flax_escale_checksums.json").read_bytes()
+    shutil.rmtree(checkpoint)
+    shutil.copytree(other, checkpoint)
+    (checkpoint / "flax_escale_checksums.json").write_bytes(record)
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_damaged_data_is_named_with_cast_or_without(tmp_path, cast):
+    tree = small_tree()
+    fe.save_checkpoint(tmp_path / "c", tree)
+    fe.save_checkpoint(tmp_path / "other", jax.tree.map(lambda a: a + 1, tree))
+    _swap_data(tmp_path / "c", tmp_path / "other")
+    target = _like(tree, dtype=jnp.bfloat16) if cast else tree
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"the values restored for ['w'] from {str(tmp_path / 'c')!r} differ from the ones "
+            "saved (their checksums do not match)"
+        ),
+    ):
+        fe.restore_checkpoint(tmp_path / "c", target, cast=cast)
+
+
+def test_cast_converts_in_the_targets_sharding(tmp_path):
+    tree = small_tree()
+    fe.save_checkpoint(tmp_path / "c", tree)
+    columns = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tp",)), P(None, "tp"))
+    target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.bfloat16, sharding=columns)}
+    restored = fe.restore_checkpoint(tmp_path / "c", target, cast=True)["w"]
+    assert restored.dtype == jnp.bfloat16
+    assert restored.sharding.is_equivalent_to(columns, 2)
+    expected = np.asarray(tree["w"]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(restored).view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("inside", ["step_2", "a/b/step_2"])
+def test_a_save_inside_a_checkpoint_is_refused(tmp_path, inside):
+    run = tmp_path / "run"
+    fe.save_checkpoint(run, small_tree())
+    before = _files(run)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: {str(run / inside)!r} is inside the checkpoint {str(run)!r}, whose "
+            "next save would have to replace it; save each checkpoint beside the others, e.g. "
+            f"{str(tmp_path / 'step_2')!r}"
+        ),
+    ):
+        fe.save_checkpoint(run / inside, small_tree())
+    assert _files(run) == before
+
+
+def test_a_save_inside_a_saves_temporary_directory_is_refused(tmp_path):
+    folder = tmp_path / "run.flax-escale-tmp"
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: {str(folder / 'c')!r} is inside {str(folder)!r}, which is named like "
+            "the temporary directories a save makes"
+        ),
+    ):
+        fe.save_checkpoint(folder / "c", small_tree())
+    assert os.listdir(tmp_path) == []
+
+
+def _drop_file_list(run):
+    record = run / "flax_escale_checksums.json"
+    found = json.loads(record.read_text())
+    del found["files"]  # as a checkpoint saved before the record listed its files
+    record.write_text(json.dumps(found))
+
+
+@pytest.mark.parametrize(
+    ("where", "listed"),
+    [("step_2", True), ("d/notes.txt", True), ("step_2", False)],
+    ids=["beside-its-files", "among-its-files", "no-file-list"],
+)
+def test_force_never_deletes_what_no_save_wrote(tmp_path, where, listed):
+    run = tmp_path / "run"
+    fe.save_checkpoint(run, small_tree())
+    if not listed:
+        _drop_file_list(run)
+    (run / where).parent.mkdir(parents=True, exist_ok=True)
+    (run / where).write_text("mine")
+    before = _files(run)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(
+            f"directory: the checkpoint {str(run)!r} also holds {where}, which no save wrote, "
+            "and force=True deletes only what a save wrote; move that away first"
+        ),
+    ):
+        fe.save_checkpoint(run, jax.tree.map(lambda a: a + 1, small_tree()), force=True)
+    assert _files(run) == before
+    os.remove(run / where)
+    fe.save_checkpoint(run, jax.tree.map(lambda a: a + 1, small_tree()), force=True)
+    assert restored_value(run, small_tree()) == 1.0
+
+
+def test_a_checkpoint_without_a_file_list_is_still_replaced(tmp_path):
+    run = tmp_path / "run"
+    fe.save_checkpoint(run, small_tree())
+    _drop_file_list(run)
+    fe.save_checkpoint(run, jax.tree.map(lambda a: a + 1, small_tree()), force=True)
+    assert restored_value(run, small_tree()) == 1.0
+
+
+def test_an_abstract_mesh_is_refused_in_target_and_shardings(tmp_path):
+    tree = small_tree()
+    fe.save_checkpoint(tmp_path / "c", tree)
+    abstract = NamedSharding(fe.create_mesh((1, 8, 1, 1, 1)).abstract_mesh, P("fsdp"))
+    message = (
+        "{argument}: the leaf 'w' has a NamedSharding on an AbstractMesh {{'dp': 1, 'fsdp': 8, "
+        "'ep': 1, 'tp': 1, 'sp': 1}}, which has no devices to restore onto; build the shardings "
+        "on a concrete jax.sharding.Mesh"
+    )
+    target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=abstract)}
+    with pytest.raises(fe.EscaleTypeError, match=re.escape(message.format(argument="target"))):
+        fe.restore_checkpoint(tmp_path / "c", target)
+    with pytest.raises(fe.EscaleTypeError, match=re.escape(message.format(argument="shardings"))):
+        fe.restore_checkpoint(tmp_path / "c", tree, shardings={"w": abstract})
+
+
+def test_a_module_is_refused_where_its_state_belongs(tmp_path):
+    import flax.linen as nn
+    from flax import nnx
+
+    model = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=re.escape("tree: got the NNX module Linear, not its state; save nnx.state(model)"),
+    ):
+        fe.save_checkpoint(tmp_path / "m", model)
+    assert os.listdir(tmp_path) == []
+    fe.save_checkpoint(tmp_path / "m", nnx.state(model))
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=re.escape(
+            "target: got the NNX module Linear, not its state; pass nnx.state(model), then put "
+            "the result in with nnx.update(model, restored)"
+        ),
+    ):
+        fe.restore_checkpoint(tmp_path / "m", model)
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=re.escape(
+            "tree: got the Linen module Dense, which holds no arrays; pass its variables"
+        ),
+    ):
+        fe.save_checkpoint(tmp_path / "l", nn.Dense(4))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (P(None, "fsdp"), "splits dimension 1 of shape (8, 2) into 8 parts, which do not divide"),
+        (P(None, None, "fsdp"), "has 3 entries for the 2 dimensions of shape (8, 2)"),
+    ],
+)
+def test_shardings_that_do_not_fit_name_the_argument_and_leaf(tmp_path, spec, message):
+    tree = small_tree()
+    fe.save_checkpoint(tmp_path / "c", tree)
+    sharding = NamedSharding(fe.create_mesh((1, 8, 1, 1, 1)), spec)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape("shardings: the sharding of the leaf 'w': ") + ".*" + re.escape(message),
+    ):
+        fe.restore_checkpoint(tmp_path / "c", tree, shardings=sharding)
+
+
+def test_a_target_leaf_without_a_named_sharding_is_named(tmp_path):
+    fe.save_checkpoint(tmp_path / "c", small_tree())
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape("restore_checkpoint: the target leaf 'w' of shape (8, 2) has sharding"),
+    ):
+        fe.restore_checkpoint(tmp_path / "c", {"w": np.zeros((8, 2), np.float32)})
+
+
+def _serving_tree(values):
+    # A serving layout: the attention weights over all 8 devices, the head on a sub-mesh of 4.
+    everywhere = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "tp"))
+    head = Mesh(np.array(jax.devices()[4:]), ("tp",))
+    return {
+        "attention": jax.device_put(values["attention"], NamedSharding(everywhere, P("dp", "tp"))),
+        "head": jax.device_put(values["head"], NamedSharding(head, P(None, "tp"))),
+    }
+
+
+def test_a_tree_on_two_device_sets_round_trips_bit_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    values = {
+        "attention": rng.standard_normal((8, 16), dtype=np.float32),
+        "head": rng.standard_normal((16, 8), dtype=np.float32),
+    }
+    fe.save_checkpoint(tmp_path / "c", _serving_tree(values))
+    restored = fe.restore_checkpoint(
+        tmp_path / "c", _serving_tree(jax.tree.map(np.zeros_like, values))
+    )
+    for name, value in values.items():
+        assert restored[name].sharding == _serving_tree(values)[name].sharding
+        np.testing.assert_array_equal(
+            np.asarray(restored[name]).view(np.uint32), value.view(np.uint32)
+        )
+    # The checksums of both device sets were kept and are compared.
+    record = json.loads((tmp_path / "c" / "flax_escale_checksums.json").read_text())
+    assert set(record["leaves"]) == {"attention", "head"}
+    assert all(isinstance(s, int) for s in record["leaves"].values())
+
+
+def test_an_unreadable_checkpoint_is_a_clear_error(tmp_path):
+    fe.save_checkpoint(tmp_path / "c", small_tree())
+    os.chmod(tmp_path / "c", 0o000)
+    try:
+        if os.access(tmp_path / "c", os.R_OK):
+            pytest.skip("permission bits do not stop this user (root)")
+        with pytest.raises(
+            fe.EscaleError,
+            match=re.escape(
+                f"directory: cannot read the checkpoint {str(tmp_path / 'c')!r}: Permission denied"
+            ),
+        ):
+            fe.restore_checkpoint(tmp_path / "c", small_tree())
+        with pytest.raises(
+            fe.EscaleError,
+            match=re.escape(
+                f"directory: cannot replace the checkpoint {str(tmp_path / 'c')!r}: Permission "
+                "denied"
+            ),
+        ):
+            fe.save_checkpoint(tmp_path / "c", small_tree(), force=True)
+    finally:
+        os.chmod(tmp_path / "c", 0o700)
+    assert restored_value(tmp_path / "c", small_tree()) == 0.0
+
+
+def test_an_nnx_state_with_rng_keys_round_trips(tmp_path):
+    # Keys are stored as their key data, and the counts live on one device, unsharded.
+    from flax import nnx
+
+    model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))
+    model.rngs()  # the count moves on: a value worth restoring
+    fe.save_checkpoint(tmp_path / "c", nnx.state(model))
+    fresh = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=9))
+    restored = fe.restore_checkpoint(tmp_path / "c", nnx.state(fresh))
+    nnx.update(fresh, restored)
+    key, saved_key = fresh.rngs.key.get_value(), model.rngs.key.get_value()
+    assert key.dtype == saved_key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(saved_key))
+    assert int(fresh.rngs.count.get_value()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argument", "call"),
+    [("tree", fe.save_checkpoint), ("target", fe.restore_checkpoint)],
+)
+def test_a_single_array_is_refused_where_a_tree_belongs(tmp_path, argument, call):
+    array = small_tree()["w"]
+    message = (
+        f"{argument}: got a single array float32[8, 2], where a checkpoint holds a tree of "
+        f"them; put it in a dict, e.g. {{'w': {argument}}}"
+    )
+    with pytest.raises(fe.EscaleTypeError, match=re.escape(message)):
+        call(tmp_path / "c", array)
+    assert os.listdir(tmp_path) == []

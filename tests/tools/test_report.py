@@ -99,6 +99,93 @@ def test_report_shows_corrections():
     assert "no rule for 'nameless'" in render(report)
 
 
+def test_a_plan_is_reported_on_mesh_of_its_shape_and_refused_on_another():
+    plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    loaded = fe.ShardingPlan.from_json(plan.to_json())  # on an abstract mesh
+    devices = jax.devices()[::-1]  # the same shape on other devices
+    reversed_mesh = fe.create_mesh((1, 4, 1, 2, 1), devices=devices)
+    report = fe.sharding_report(loaded, mesh=reversed_mesh, show=False)
+    assert report.plan.mesh is reversed_mesh  # mesh= is the mesh reported on
+    assert report.bytes_per_device == fe.sharding_report(plan, show=False).bytes_per_device
+    other = fe.create_mesh((1, 8, 1, 1, 1))
+    refused = (
+        r"^sharding_report: mesh=\(dp=1, fsdp=8, ep=1, tp=1, sp=1\) is not the plan's mesh "
+        r"\(dp=1, fsdp=4, ep=1, tp=2, sp=1\), for which its specs were resolved; plan the model "
+        r"on this mesh"
+    )
+    with pytest.raises(fe.EscaleError, match=refused):
+        fe.sharding_report(plan, mesh=other, show=False)
+    with pytest.raises(fe.EscaleError, match=refused):
+        fe.check_sharded(plan, other)
+
+
+def test_rules_given_with_a_plan_are_refused_unless_they_are_its_own():
+    plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    with pytest.raises(fe.EscaleError, match=r"rules= cannot apply to a ShardingPlan"):
+        fe.sharding_report(plan, rules=[("mlp_intermediate", "fsdp")], show=False)
+    with pytest.raises(fe.EscaleError, match=r"rules= cannot apply to a ShardingPlan"):
+        fe.check_sharded(plan, rules=[("mlp_intermediate", "fsdp")])
+    assert fe.sharding_report(plan, rules=plan.rules, show=False).plan is plan
+
+
+def _on(mesh, spec, shape=(8, 8)):
+    return jax.device_put(
+        np.arange(np.prod(shape), dtype=np.float32).reshape(shape), NamedSharding(mesh, spec)
+    )
+
+
+def test_arrays_on_two_meshes_are_refused_naming_each_mesh():
+    # A serving layout: some weights on all 8 devices, others on a 4-device sub-mesh.
+    whole = fe.create_mesh((8,), ("fsdp",))
+    half = fe.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    tree = {"a": _on(whole, P("fsdp")), "b": _on(half, P("fsdp")), "c": _on(half, P())}
+    message = (
+        r"^sharding_report: the arrays live on 2 meshes: 'a' on \(fsdp=8; devices 0-7\), 'b' "
+        r"and 1 more on \(fsdp=4; devices 0-3\); a report shows one mesh: report the arrays "
+        r"of each mesh apart"
+    )
+    with pytest.raises(fe.EscaleError, match=message):
+        fe.sharding_report(tree, show=False)
+    with pytest.raises(fe.EscaleError, match=message):
+        fe.check_sharded(tree)
+    # Each part on its own mesh reports as it lives.
+    part = fe.sharding_report({"b": tree["b"], "c": tree["c"]}, show=False)
+    assert part.plan.mesh == half
+    assert part.plan["b"].spec == P("fsdp", None)
+    each = 8 * 8 * 4 // 4 + 8 * 8 * 4  # a quarter of b, all of c
+    assert part.bytes_per_device == dict.fromkeys(range(4), each)
+
+
+def test_mesh_other_than_where_the_arrays_live_is_refused():
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    tree = {"w": _on(mesh, P("fsdp", "tp"))}
+    other = fe.create_mesh((1, 8, 1, 1, 1))
+    with pytest.raises(
+        fe.EscaleError,
+        match=r"^sharding_report: mesh=\(dp=1, fsdp=8, ep=1, tp=1, sp=1; devices 0-7\) is not "
+        r"where the arrays live: 'w' on \(dp=1, fsdp=4, ep=1, tp=2, sp=1; devices 0-7\); a "
+        r"report shows arrays where they are",
+    ):
+        fe.sharding_report(tree, mesh=other, show=False)
+    # Their own mesh, the same mesh made again, or an abstract mesh of its shape are theirs.
+    again = fe.create_mesh((1, 4, 1, 2, 1))
+    for given in (mesh, again, mesh.abstract_mesh):
+        report = fe.sharding_report(tree, mesh=given, show=False)
+        assert report.plan["w"].spec == P("fsdp", "tp")
+        assert report.max_device_bytes == 8 * 8 * 4 // 8
+
+
+def test_what_would_go_unused_is_refused():
+    plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    console = Console(file=io.StringIO())
+    with pytest.raises(fe.EscaleError, match=r"console= is where the table is printed, but show="):
+        fe.sharding_report(plan, console=console, show=False)
+    with pytest.raises(fe.EscaleError, match=r"baseline= lists what changed .* pass html="):
+        fe.sharding_report(plan, show=False, baseline=plan)
+    fe.sharding_report(plan, console=console, baseline=plan)  # printed: both used
+    assert "0 array(s) differ" in console.file.getvalue()
+
+
 def test_check_sharded_passes_good_layouts_and_names_offenders():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
     good = {

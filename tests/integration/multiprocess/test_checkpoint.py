@@ -106,6 +106,8 @@ def test_two_processes_save_and_restore_onto_another_mesh(tmp_path):
         + SNIPPET
         + """
 fe.save_checkpoint(path, sharded(fe.create_mesh((1, 8, 1, 1, 1)), SAVE_SPECS))
+# Replaced: the save's record lists the files of both processes, or force=True would refuse.
+fe.save_checkpoint(path, sharded(fe.create_mesh((1, 8, 1, 1, 1)), SAVE_SPECS), force=True)
 result = check_restored(path)
 """
     )
