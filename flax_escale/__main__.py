@@ -10,7 +10,8 @@ Subcommands:
   printed and written as a web page (:func:`flax_escale.sharding_report`).
 
 Each subcommand is a function that adds its arguments to a subparser and sets ``run``, the
-function that carries it out and returns the exit code.
+function that carries it out and returns the exit code. Every error names the option (or
+argument) it concerns, in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -28,9 +29,11 @@ from rich.console import Console
 
 from flax_escale import _checks as check
 from flax_escale import planning
-from flax_escale.errors import EscaleError
-from flax_escale.mesh import DEFAULT_AXIS_NAMES, create_mesh, parse_mesh_shape
+from flax_escale.errors import EscaleError, MeshError
+from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target, create_mesh, parse_mesh_shape
+from flax_escale.mesh._target import MAX_SIMULATED_DEVICES
 from flax_escale.planning import PROFILES
+from flax_escale.planning._candidates import checked_axes
 from flax_escale.planning._plan import _build
 from flax_escale.planning._state_plan import train_state_plan
 from flax_escale.tools import _launch, sharding_report
@@ -68,15 +71,41 @@ def _add_launch(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_launch)
 
 
+@contextlib.contextmanager
+def _options(names: dict[str, str], flag: str | None = None) -> Iterator[None]:
+    """Library errors raised inside name the command-line options they concern.
+
+    A message begins with the Python argument it concerns (``"profile: ..."``, ``"mesh string
+    'x': ..."``); where ``names`` maps that argument to an option, the option takes its place.
+    Any other message is prefixed with ``flag``, when given.
+    """
+    try:
+        yield
+    except EscaleError as error:
+        message = str(error)
+        for argument, option in names.items():
+            rest = message[len(argument) :]
+            if message.startswith(argument) and rest[:1] in (" ", ":", "="):
+                message = option + rest
+                break
+        else:
+            if flag is None:
+                raise
+            message = f"{flag}: {message}"
+        raise type(error)(message) from error
+
+
 def _run_launch(args: argparse.Namespace) -> int:
     program = ["-m", args.script] if args.module else [args.script]
-    return _launch.launch(
-        [sys.executable, *program, *args.args],
-        processes=args.processes,
-        devices_per_process=args.devices_per_process,
-        port=args.port,
-        grace=args.grace,
-    )
+    arguments = ("processes", "devices_per_process", "port", "grace")
+    with _options({name: "--" + name.replace("_", "-") for name in arguments}):
+        return _launch.launch(
+            [sys.executable, *program, *args.args],
+            processes=args.processes,
+            devices_per_process=args.devices_per_process,
+            port=args.port,
+            grace=args.grace,
+        )
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -118,7 +147,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         "--bandwidth", type=float, help="custom profile: interconnect bytes/s per device"
     )
     parser.add_argument(
-        "--latency", type=float, default=0.0, help="custom profile: seconds per collective"
+        "--latency", type=float, default=None, help="custom profile: seconds per collective (0)"
     )
     parser.add_argument(
         "--memory-bandwidth", type=float, help="custom profile: memory bytes/s per device"
@@ -136,29 +165,34 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    profile: str | planning.HardwareProfile | None = args.profile
-    if args.flops is not None or args.bandwidth is not None:
-        if args.flops is None or args.bandwidth is None:
-            raise EscaleError("plan: a custom profile needs both --flops and --bandwidth.")
-        profile = planning.HardwareProfile(
-            "custom",
-            args.flops,
-            args.bandwidth,
-            args.latency,
-            memory_bytes_per_second=args.memory_bandwidth,
+    # Every option is checked here, under its own name, before the workload is built.
+    if args.devices is not None:
+        check.positive_int(args.devices, "--devices")
+    check.positive_int(args.slices, "--slices")
+    if args.target == "cpu" and args.devices is None:
+        raise EscaleError(
+            "--target cpu (the default) simulates devices: pass --devices N, such as --devices 8."
         )
+    names = {"target": "--target", "devices": "--devices", "slices": "--slices"}
+    with _options(names, "--target"):
+        target = Target.named(args.target, devices=args.devices, slices=args.slices)
+    profile = _profile(args)
+    memory = None if args.memory is None else planning.parse_bytes(args.memory, "--memory")
+    axes = None
+    if args.axes is not None:
+        axes = checked_axes([a.strip() for a in args.axes.split(",")], "--axes")
+    if args.time_budget is not None:
+        check.non_negative_number(args.time_budget, "--time-budget")
     if args.top is not None:
         check.positive_int(args.top, "--top")
     # Wide enough for the table when the output is a log rather than a terminal.
     console = Console(width=None if sys.stdout.isatty() else 160)
     plan = planning.plan_mesh(
         args.workload,
-        devices=args.devices,
-        target=args.target,
-        slices=args.slices,
-        memory=args.memory,
+        target=target,
+        memory=memory,
         profile=profile,
-        axes=args.axes.split(",") if args.axes else None,
+        axes=axes,
         time_budget=args.time_budget,
         exhaustive=args.exhaustive,
         cache=not args.no_cache,
@@ -168,6 +202,45 @@ def _run_plan(args: argparse.Namespace) -> int:
     console.print(plan.recommendation(), markup=False, highlight=False)
     console.print(planning.ESTIMATE_TERMS, style="dim", highlight=False)
     return 0 if plan.best is not None else 1
+
+
+def _profile(args: argparse.Namespace) -> planning.HardwareProfile | None:
+    """The hardware profile the options describe: named, custom, or ``None`` (the default)."""
+    custom = {
+        "--flops": args.flops,
+        "--bandwidth": args.bandwidth,
+        "--latency": args.latency,
+        "--memory-bandwidth": args.memory_bandwidth,
+    }
+    given = [flag for flag, value in custom.items() if value is not None]
+    if not given:
+        if args.profile is None:
+            return None
+        with _options({"profile": "--profile"}, "--profile"):
+            return planning.hardware_profile(args.profile)
+    if args.profile is not None:
+        raise EscaleError(
+            f"--profile {args.profile} and {', '.join(given)} both describe the hardware, and "
+            "one would be ignored: give --profile alone, or a custom profile with --flops and "
+            "--bandwidth (and --latency, --memory-bandwidth)."
+        )
+    if args.flops is None or args.bandwidth is None:
+        raise EscaleError(
+            f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for a custom profile, "
+            "which needs both --flops and --bandwidth; give them, or name a built-in profile "
+            f"with --profile ({', '.join(PROFILES)})."
+        )
+    for flag in ("--flops", "--bandwidth", "--memory-bandwidth"):
+        if custom[flag] is not None:
+            check.positive_number(custom[flag], flag)
+    latency = 0.0 if args.latency is None else check.non_negative_number(args.latency, "--latency")
+    return planning.HardwareProfile(
+        "custom",
+        args.flops,
+        args.bandwidth,
+        latency,
+        memory_bytes_per_second=args.memory_bandwidth,
+    )
 
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
@@ -185,7 +258,8 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
     mesh_help = (
         f"axis sizes, named (dp:1,fsdp:4,tp:2; an axis of {','.join(DEFAULT_AXIS_NAMES)} left "
-        "out has size 1) or in that order (1,4,1,2,1); one size may be -1"
+        "out has size 1) or in that order (1,4,1,2,1); one size may be -1; at most "
+        f"{MAX_SIMULATED_DEVICES} devices"
     )
     parser.add_argument("--mesh", required=True, help=mesh_help)
     parser.add_argument("--html", default=None, help="also write the report to this web page")
@@ -196,27 +270,51 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    mesh = _mesh_of(args.mesh)
-    baseline_mesh = None if args.baseline_mesh is None else _mesh_of(args.baseline_mesh)
+    # Both strings are checked before either mesh starts JAX's devices.
+    shapes = [(flag, _shape_of(text, flag)) for flag, text in _meshes(args)]
+    meshes = [_mesh_of(shape, flag) for flag, shape in shapes]
     workload = _build(args.workload)
-    plan = train_state_plan(workload, mesh)
-    baseline = None if baseline_mesh is None else train_state_plan(workload, baseline_mesh)
+    plan = train_state_plan(workload, meshes[0])
+    baseline = None if len(meshes) == 1 else train_state_plan(workload, meshes[1])
     console = Console(width=None if sys.stdout.isatty() else 160)
-    sharding_report(plan, console=console, html=args.html, baseline=baseline)
+    with _options({"html": "--html"}):
+        sharding_report(plan, console=console, html=args.html, baseline=baseline)
     if args.html is not None:
         console.print(f"wrote {args.html}", markup=False, highlight=False)
     return 0
 
 
-def _mesh_of(text: str) -> Mesh:
-    """The mesh a ``--mesh`` string describes, over the library's axes."""
-    sizes, names = parse_mesh_shape(text, DEFAULT_AXIS_NAMES, partial=True)
+def _meshes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    given = [("--mesh", args.mesh), ("--baseline-mesh", args.baseline_mesh)]
+    return [(flag, text) for flag, text in given if text is not None]
+
+
+def _shape_of(text: str, flag: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The sizes and names a ``--mesh`` string gives, over the library's axes, checked."""
+    with _options({"mesh string": flag}, flag):
+        sizes, names = parse_mesh_shape(text, DEFAULT_AXIS_NAMES, partial=True)
+    # Said before JAX is asked for that many simulated devices (a process of 100,000 of them
+    # runs out of memory before anything is planned); the planner has the same limit.
+    count = math.prod(size for size in sizes if size > 0)
+    if count > MAX_SIMULATED_DEVICES:
+        raise MeshError(
+            f"{flag} {text!r} asks for {count} devices, more than the {MAX_SIMULATED_DEVICES} "
+            "one host simulates for a report; give a mesh of at most "
+            f"{MAX_SIMULATED_DEVICES} devices."
+        )
+    return sizes, names
+
+
+def _mesh_of(shape: tuple[tuple[int, ...], tuple[str, ...]], flag: str) -> Mesh:
+    """The mesh of checked sizes and names, of simulated CPU devices where JAX has not started."""
+    sizes, names = shape
     if all(size > 0 for size in sizes) and "JAX_NUM_CPU_DEVICES" not in os.environ:
         # Nothing is compiled: without accelerators, the mesh is as many simulated CPU
         # devices as it needs. Once JAX's backend has started its devices stand as they are.
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", math.prod(sizes))
-    return create_mesh(sizes, names)
+    with _options({}, flag):
+        return create_mesh(sizes, names)
 
 
 def build_parser() -> argparse.ArgumentParser:

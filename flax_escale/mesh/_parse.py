@@ -25,7 +25,8 @@ def parse_mesh_shape(
 
     Two forms are accepted. The named form ``"dp:2,tp:4"`` names every axis; the mesh's axis
     order is the order of the string. The positional form ``"2,4"`` gives the sizes of ``names``
-    in order. Spaces around tokens are ignored and one size may be ``-1``.
+    in order. Spaces around tokens are ignored. Every size is a positive integer, except that
+    one may be ``-1`` (that axis takes the devices the others leave).
 
     With ``partial=True`` the named form may leave axes out, as a command line's ``--mesh
     fsdp:4,tp:2`` does; each gets size 1, and the mesh's axis order is the order of ``names``
@@ -40,9 +41,11 @@ def parse_mesh_shape(
         ``(sizes, names)`` in mesh order.
 
     Raises:
-        MeshError: For a malformed or non-integer token, an unknown or repeated name, a
-            missing name (unless ``partial``), or a positional string whose length differs
-            from ``names``. The message quotes the offending token.
+        MeshError: For a malformed or non-integer token (``fsdp=4`` included: write
+            ``fsdp:4``), a size of 0 or below other than one ``-1``, two ``-1``, an unknown or
+            repeated name, a missing name (unless ``partial``), a positional string whose
+            length differs from ``names``, or ``names`` naming an axis twice; in every mode.
+            The message quotes the offending token.
 
     Example:
         >>> from flax_escale.mesh import parse_mesh_shape
@@ -56,21 +59,35 @@ def parse_mesh_shape(
     check.string(axis_dims, "axis_dims", "'dp:2,tp:4' or '2,4'")
     expected = check.names(names, "names")
     check.flag(partial, "partial")
+    repeated = sorted({name for name in expected if expected.count(name) > 1})
+    if repeated:
+        raise MeshError(
+            f"names {expected} name the axes {repeated} more than once; a mesh has each axis "
+            "once: give each name once."
+        )
+    if not axis_dims.strip():
+        raise MeshError(f"mesh string {axis_dims!r} is empty; {_FORMS}.")
     tokens = [t.strip() for t in axis_dims.split(",")]
     if any(":" in t for t in tokens):
         sizes, order = _parse_named(axis_dims, tokens, expected, partial)
-        if not partial:
-            return sizes, order
-        given = dict(zip(order, sizes, strict=True))
-        return tuple(given.get(name, 1) for name in expected), expected
-    sizes = tuple(_parse_size(axis_dims, t, t) for t in tokens)
-    if len(sizes) != len(expected):
+        if partial:
+            given = dict(zip(order, sizes, strict=True))
+            sizes, order = tuple(given.get(name, 1) for name in expected), expected
+    else:
+        sizes = tuple(_parse_size(axis_dims, t, t) for t in tokens)
+        if len(sizes) != len(expected):
+            raise MeshError(
+                f"mesh string {axis_dims!r} gives {len(sizes)} sizes but there are "
+                f"{len(expected)} axis names {expected}: give one size per name, or use the "
+                "named form 'name:size,...'."
+            )
+        order = expected
+    if sizes.count(-1) > 1:
         raise MeshError(
-            f"mesh string {axis_dims!r} gives {len(sizes)} sizes but there are "
-            f"{len(expected)} axis names {expected}: give one size per name, or use the named "
-            "form 'name:size,...'."
+            f"mesh string {axis_dims!r} gives {sizes.count(-1)} sizes of -1; only one axis can "
+            "take the devices the others leave: give the other axes their sizes."
         )
-    return sizes, expected
+    return sizes, order
 
 
 def _parse_named(
@@ -82,8 +99,8 @@ def _parse_named(
         name, sep, size = (part.strip() for part in token.partition(":"))
         if not sep or ":" in size or not _NAME.fullmatch(name):
             raise MeshError(
-                f"mesh string {text!r}: token {token!r} is not of the form 'name:size'; do not "
-                "mix named and positional sizes."
+                f"mesh string {text!r}: token {token!r} is not of the form 'name:size'"
+                f"{_equals_hint(token)}; do not mix named and positional sizes."
             )
         if name not in expected:
             raise MeshError(
@@ -109,9 +126,26 @@ def _parse_named(
 def _parse_size(text: str, size: str, token: str) -> int:
     if not _SIZE.fullmatch(size):
         raise MeshError(
-            f"mesh string {text!r}: size {size!r} in token {token!r} is not an integer."
+            f"mesh string {text!r}: size {size!r} in token {token!r} is not an integer"
+            f"{_equals_hint(token)}; {_FORMS}."
         )
-    return int(size)
+    value = int(size)
+    if value < 1 and value != -1:
+        raise MeshError(
+            f"mesh string {text!r}: size {value} in token {token!r} is not a positive integer; "
+            "every axis has at least one device (an unused axis has size 1), and one size may "
+            f"be -1 for the devices the others leave; {_FORMS}."
+        )
+    return value
+
+
+def _equals_hint(token: str) -> str:
+    # 'fsdp=4' is how other tools (and the mesh's own repr) write an axis: say the form here.
+    name, sep, size = (part.strip() for part in token.partition("="))
+    return f" (write {name}:{size}, with a colon)" if sep and name and size else ""
+
+
+_FORMS = "write 'name:size,...' such as 'dp:2,tp:4', or one size per axis such as '2,4'"
 
 
 def parse_mesh_from_string(

@@ -24,7 +24,7 @@ from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh._creation import DEFAULT_AXIS_NAMES, AxisTypeLike, create_mesh
 
-__all__ = ["TPU_GENERATIONS", "Target"]
+__all__ = ["MAX_SIMULATED_DEVICES", "TPU_GENERATIONS", "Target"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +62,12 @@ _SHAPES_3D = {
     2048: "8x16x16",
     4096: "16x16x16",
 }
-# Beyond this, simulating devices costs more memory and compile time than a plan is worth
-# (10**8 asked for takes gigabytes before anything is planned); a pod has its TPU target.
-_MAX_SIMULATED_DEVICES = 4096
+MAX_SIMULATED_DEVICES = 4096
+"""The most CPU devices one host simulates for a plan or a report.
+
+Beyond this, simulating devices costs more memory and compile time than a plan is worth (10**8
+asked for takes gigabytes before anything is planned); a pod has its TPU target.
+"""
 
 TPU_GENERATIONS: dict[str, _Generation] = {
     "v5p": _Generation(True, _SHAPES_3D, 95 * 10**9, "tpu-v5p"),
@@ -97,7 +100,7 @@ class Target:
             as a count included).
         EscaleError: If a count is below 1, ``slices`` does not divide ``device_count``, the
             platform is neither ``"cpu"`` nor ``"tpu"``, a TPU target has no topology, a CPU
-            target has several slices or more devices than one host simulates, or
+            target has a topology, several slices or more devices than one host simulates, or
             ``memory_bytes`` is below 1.
     """
 
@@ -127,15 +130,21 @@ class Target:
         slices = check.positive_int(self.slices, "Target slices")
         object.__setattr__(self, "slices", slices)
         if self.platform == "cpu":
-            if count > _MAX_SIMULATED_DEVICES:
+            if count > MAX_SIMULATED_DEVICES:
                 raise EscaleError(
-                    f"Target device_count {count} is more than the {_MAX_SIMULATED_DEVICES} "
+                    f"Target device_count {count} is more than the {MAX_SIMULATED_DEVICES} "
                     "devices one host simulates; plan a TPU slice with its own target (such as "
                     "Target.named('v5p-1024')), or fewer devices."
                 )
             if slices != 1:
                 raise EscaleError(
                     f"Target slices {slices}: simulated CPU devices form one slice; pass slices=1."
+                )
+            if self.topology is not None:
+                raise EscaleError(
+                    f"Target topology {self.topology!r}: simulated CPU devices have no TPU "
+                    "topology, and it would be ignored; pass topology=None, or build the TPU "
+                    f"target with Target.named({self.topology!r})."
                 )
         elif not isinstance(self.topology, str):
             raise EscaleTypeError(
@@ -216,8 +225,10 @@ class Target:
             {'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1}
         """
         dims = check.sizes(axis_dims, "axis_dims")
+        axis_names = check.names(axis_names, "axis_names")
         dcn = None
-        if self.slices > 1:
+        # An empty shape is create_mesh's to refuse, with its own message.
+        if self.slices > 1 and dims and axis_names:
             if dims[0] % self.slices:
                 raise EscaleError(
                     f"axis_dims {dims}: the first axis ({axis_names[0]!r}, data parallelism) "
@@ -231,7 +242,11 @@ class Target:
 
     @classmethod
     def named(
-        cls, name: str | Target = "cpu", *, devices: int | None = None, slices: int = 1
+        cls,
+        name: str | Target = "cpu",
+        *,
+        devices: int | None = None,
+        slices: int | None = None,
     ) -> Target:
         """The target a name stands for.
 
@@ -241,17 +256,18 @@ class Target:
                 chip; see :data:`TPU_GENERATIONS`), or a topology as
                 ``jax.experimental.topologies.get_topology_desc`` takes it (``"v5e:2x4"``), or a
                 ``Target``.
-            devices: For ``"cpu"``: how many devices to simulate. For a TPU name: optional, and
-                then it must agree with the slice.
+            devices: For ``"cpu"``: how many devices to simulate. For a TPU name or a
+                ``Target``: optional, and then it must agree with it.
             slices: TPU slices joined over the data-center network (multi-slice); data
-                parallelism spans them.
+                parallelism spans them. Defaults to 1 for a name; for a ``Target``: optional,
+                and then it must agree with it.
 
         Returns:
             The target.
 
         Raises:
             EscaleError: For an unknown name or size, a topology with a size of 0, or a device
-                count that disagrees with it.
+                or slice count that disagrees with the name or the ``Target`` given.
             EscaleTypeError: For arguments of the wrong type.
 
         Example:
@@ -264,22 +280,24 @@ class Target:
             >>> Target.named("cpu", devices=8).label
             'XLA:CPU, 8 simulated devices'
         """
+        if devices is not None:
+            devices = check.positive_int(devices, "devices")
+        if slices is not None:
+            slices = check.positive_int(slices, "slices")
         if isinstance(name, Target):
-            return name
+            return _agreeing(name, devices, slices)
+        slices = 1 if slices is None else slices
         if not isinstance(name, str):
             raise EscaleTypeError(
                 f"target must be a name such as 'cpu', 'v5e-256' or 'v5p-128', got "
                 f"{check.describe(name)}."
             )
-        if devices is not None:
-            devices = check.positive_int(devices, "devices")
-        slices = check.positive_int(slices, "slices")
         if name == "cpu":
             if devices is None:
                 raise EscaleError("target 'cpu' simulates devices: pass devices=N as well.")
-            if devices > _MAX_SIMULATED_DEVICES:
+            if devices > MAX_SIMULATED_DEVICES:
                 raise EscaleError(
-                    f"target 'cpu': devices={devices} is more than the {_MAX_SIMULATED_DEVICES} "
+                    f"target 'cpu': devices={devices} is more than the {MAX_SIMULATED_DEVICES} "
                     "devices one host simulates (each costs memory, and every compile grows "
                     "with their count); plan a TPU slice with its own target (such as "
                     "'v5p-1024'), or fewer devices."
@@ -316,6 +334,23 @@ class Target:
     def as_json(self) -> dict[str, Any]:
         """The target as JSON-ready values (for the planner's child process)."""
         return dataclasses.asdict(self)
+
+
+def _agreeing(target: Target, devices: int | None, slices: int | None) -> Target:
+    # A Target says its devices and slices itself: counts given beside it may only repeat
+    # them, else one of the two would be ignored.
+    for argument, given, own in (
+        ("devices", devices, target.device_count),
+        ("slices", slices, target.slices),
+    ):
+        if given is not None and given != own:
+            raise EscaleError(
+                f"{argument}={given} disagrees with target={target.name!r}, a Target of "
+                f"{target.device_count} devices in {target.slices} slice(s), which already says "
+                f"its {argument}; leave {argument} out, or pass the target by name with it: "
+                f"target={target.name!r}, {argument}={given}."
+            )
+    return target
 
 
 def _tpu_topology(name: str) -> tuple[str, str]:

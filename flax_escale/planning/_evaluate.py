@@ -164,6 +164,8 @@ def evaluate(
         textbook, detail = textbook_communication(plan, mesh, batch_axes, profile)
         tokens = tokens_per_device(workload.batch, batch_axes, mesh)
         kept.append(_Kept(shape, mesh, plan, corrections, textbook, detail, tokens))
+    if ruled_out and not kept:
+        _raise_absent_axes(workload, target, ruled_out)
     kept.sort(key=lambda k: k.textbook)
     report({"event": "start", "total": len(kept), "pruned": len(ruled_out)})
     results = []
@@ -292,6 +294,35 @@ def _prune(
             batch_axes,
         )
     return "", plan, corrections, batch_axes
+
+
+def _raise_absent_axes(workload: Workload, target: Target, pruned: list[Figures]) -> None:
+    # Every mesh pruned while the rules (or overrides) name an axis no planned mesh has: the
+    # configuration is at fault, and a plan of pruned meshes would read as "no mesh fits".
+    first = pruned[0]
+    mesh = target.mesh(tuple(first.shape[a] for a in DEFAULT_AXIS_NAMES))
+    where = []
+    for i, x in enumerate(workload.batch):
+        if len(x.shape):
+            resolution = batch_resolution(mesh, tuple(x.shape), rules=workload.rules)
+            where += [(f"batch[{i}]", c) for c in resolution.corrections]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingCorrectionWarning)  # said in the error below
+        where += list(workload.plan(mesh).corrections)
+    where = [(path, c) for path, c in where if c.kind == "not_in_mesh"]
+    if not where:
+        return
+    missing = sorted({a for _, c in where for a in c.mesh_axes if a not in mesh.axis_names})
+    shown = ", ".join(f"{path} dim {c.dim} to {'+'.join(c.mesh_axes)}" for path, c in where[:3])
+    more = f" and {len(where) - 3} more" if len(where) > 3 else ""
+    raise EscaleError(
+        f"workload: its rules or overrides name the mesh axes {missing}, which the planned "
+        f"meshes (axes {', '.join(DEFAULT_AXIS_NAMES)}) lack ({shown}{more}), and every one "
+        f"of the {len(pruned)} meshes of {target.device_count} devices was pruned before "
+        f"compiling (on {first.label}: {first.reason}); the configuration is at fault, not "
+        "the meshes: map the logical names to the library's mesh axes, such as "
+        "('batch', ('dp', 'fsdp')) or ('mlp_intermediate', 'tp')."
+    )
 
 
 def _compile(

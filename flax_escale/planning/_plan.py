@@ -38,6 +38,7 @@ from flax_escale import errors as error_types
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
+from flax_escale.planning._candidates import checked_axes
 from flax_escale.planning._evaluate import TRACE_FAILURE, Figures, evaluate
 from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
 from flax_escale.planning._result import MeshPlan
@@ -62,7 +63,7 @@ def plan_mesh(
     *,
     devices: int | None = None,
     target: str | Target = "cpu",
-    slices: int = 1,
+    slices: int | None = None,
     memory: int | str | None = None,
     profile: str | HardwareProfile | None = None,
     axes: Sequence[str] | None = None,
@@ -103,19 +104,24 @@ def plan_mesh(
     Args:
         workload: A :class:`Workload`, or a function without arguments returning one, or its
             ``"module:function"`` reference.
-        devices: N, the devices to plan for; for a TPU target, optional (the slice's chips).
+        devices: N, the devices to plan for; for a TPU target, optional (the slice's chips);
+            beside a :class:`~flax_escale.mesh.Target`, optional and then equal to its
+            ``device_count``.
         target: Whose compiler compiles the candidates: ``"cpu"`` (simulated CPU devices), a
             TPU slice such as ``"v5e-256"`` or ``"v5p-128"``, a topology such as
             ``"v5e:2x4"``, or a :class:`~flax_escale.mesh.Target`.
         slices: TPU slices joined over the data-center network; data parallelism (``dp``)
             spans them, so only meshes whose ``dp`` is a multiple of ``slices`` are planned.
+            Defaults to 1 for a target's name; beside a ``Target``, optional and then equal
+            to its ``slices``.
         memory: One device's memory budget: bytes, or a size like ``"16GiB"``. Defaults to
             the TPU chip's memory, then to the profile's.
         profile: A hardware profile or the name of a built-in one
             (:data:`~flax_escale.planning.PROFILES`); defaults to the TPU chip's, and to
             ``"h100"`` for the CPU simulation.
-        axes: The mesh axes to spread the devices over; defaults to ``dp, fsdp, tp, sp`` and
-            ``ep`` when a variable has a logical axis the rules map to ``ep``.
+        axes: The mesh axes to spread the devices over, distinct axes of the library's mesh;
+            defaults to ``dp, fsdp, tp, sp`` and ``ep`` when a variable has a logical axis the
+            rules map to ``ep``.
         time_budget: Seconds; once spent, the meshes not yet compiled are reported as
             skipped rather than compiled.
         exhaustive: Compile every mesh left after pruning, even those the communication
@@ -130,10 +136,13 @@ def plan_mesh(
         ``table()``, ``recommendation()``.
 
     Raises:
-        EscaleError: For a budget or profile that cannot be used (a memory of 0 included), a
-            cache directory that cannot be created or written, a step or loss that traces on
-            no mesh (what it returned is in the message), or if the child process fails (its
-            last output lines are in the message).
+        EscaleError: For a budget or profile that cannot be used (a memory of 0 included),
+            ``devices`` or ``slices`` disagreeing with a ``Target``, axes the library's mesh
+            lacks, a cache directory that cannot be created or written, a step or loss that
+            traces on no mesh (what it returned is in the message), rules or overrides naming
+            mesh axes the planned meshes lack when that leaves no mesh to compile, a factory
+            whose module raises as it is imported, or if the child process fails (its last
+            output lines are in the message).
         EscaleTypeError: For arguments of the wrong type, or a workload the child process
             could not import.
     """
@@ -155,13 +164,15 @@ def plan_mesh(
         )
     memory_bytes = parse_bytes(memory, "memory")
     if axes is not None:
-        axes = check.names(axes, "axes")
+        axes = checked_axes(axes)
     if time_budget is not None:
         time_budget = check.non_negative_number(time_budget, "time_budget")
     exhaustive = check.flag(exhaustive, "exhaustive")
     cache_dir = _cache_dir(cache)
-    console = progress if isinstance(progress, Console) else Console(stderr=True)
-    shown = progress is not False
+    if isinstance(progress, Console):
+        console, shown = progress, True
+    else:
+        console, shown = Console(stderr=True), check.flag(progress, "progress")
     devices = chosen.device_count
     request = {
         "target": chosen.as_json(),
@@ -240,6 +251,8 @@ def load_factory(reference: str) -> Factory:
     Raises:
         EscaleTypeError: If the reference is not a string or is malformed, or the module or
             function is missing.
+        EscaleError: If the module raises as it is imported (the message names the module
+            and the exception, which is its cause).
     """
     if not isinstance(reference, str):
         raise EscaleTypeError(
@@ -266,6 +279,12 @@ def load_factory(reference: str) -> Factory:
         raise EscaleTypeError(
             f"workload: cannot import {module_name!r} of {reference!r} ({error}); run from the "
             "directory that holds it, or add that directory to PYTHONPATH."
+        ) from error
+    except Exception as error:  # the user's module: said in one line, with its cause
+        raise EscaleError(
+            f"workload: importing {module_name!r} of {reference!r} raised "
+            f"{type(error).__name__}: {error}; fix the module so that it imports (its traceback "
+            "is this error's cause), then plan again."
         ) from error
     factory = getattr(module, attribute, None)
     if not callable(factory):

@@ -45,6 +45,8 @@ class HardwareProfile:
     memory_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
+        # The name titles every plan and message that uses the profile.
+        check.string(self.name, "HardwareProfile name", "'my accelerator'")
         # Finite and positive: a NaN or an infinity would rank every mesh by NaN.
         for field in (
             "flops_per_second",

@@ -178,6 +178,15 @@ class MeshPlan:
     def recommendation(self) -> str:
         """The code that reproduces the recommended mesh and rules, or why there is none."""
         if self.best is None:
+            statuses = {c.figures.status for c in self.candidates}
+            if statuses == {"pruned"}:
+                # Nothing compiled: no figure says anything about memory.
+                first = self.candidates[0]
+                return (
+                    f"No mesh was compiled: all {len(self.candidates)} meshes of "
+                    f"{self.devices} devices were pruned, as none can run the workload as "
+                    f"asked. The first, {first.label}: {first.figures.reason}."
+                )
             skipped = sum(c.figures.status == "skipped" for c in self.candidates)
             if skipped and not any(c.figures.status == "compiled" for c in self.candidates):
                 return (

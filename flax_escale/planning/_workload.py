@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,7 @@ class Workload:
     Attributes:
         model: A Linen module instance or an NNX module class (or callable taking ``rngs=``),
             as :func:`~flax_escale.init_sharded` takes it.
-        rng: Its ``rng`` argument.
+        rng: Its ``rng`` argument: a key, an int seed, or a dict of them by stream name.
         args: Linen: example inputs for ``model.init``; NNX: constructor arguments.
         tx: The optax optimizer.
         batch: The global batch one step takes, as a tuple of arrays or
@@ -67,7 +68,8 @@ class Workload:
         step: The training step. Linen: ``step(state, *batch) -> (state, aux)`` with a Flax
             ``TrainState`` (as :func:`~flax_escale.linen.init_train_state` builds it); NNX:
             ``step(model, optimizer, *batch) -> aux``, updating both in place. Defaults to
-            one ``value_and_grad`` of ``loss`` and one optimizer update.
+            one ``value_and_grad`` of ``loss`` and one optimizer update; for Linen, the
+            model's random streams (dropout) draw from ``rng`` folded with the step count.
         loss: ``loss(outputs, *batch) -> scalar`` for the default step (default
             :func:`mean_square`).
         rules: The logical-axis rules (default ``PartitionAxis()``'s).
@@ -80,8 +82,9 @@ class Workload:
             flag.
 
     Raises:
-        EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays, or a
-            ``step`` or ``loss`` that is not a function taking the arguments it is called with.
+        EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays,
+            ``init_kwargs`` that are not a mapping, or a ``step`` or ``loss`` that is not a
+            function taking the arguments it is called with.
     """
 
     model: Any
@@ -109,6 +112,11 @@ class Workload:
                 "Workload: tx is required; pass the optimizer, optax.adamw(1e-4)."
             )
         check.transformation(self.tx, "Workload tx")
+        if not isinstance(self.init_kwargs, Mapping):
+            raise EscaleTypeError(
+                f"Workload: init_kwargs must be a mapping of keyword arguments, got "
+                f"{check.describe(self.init_kwargs)}; write init_kwargs={{'train': False}}."
+            )
         if self.is_linen:
             if self.batch is None:
                 object.__setattr__(self, "batch", self.args)
@@ -335,18 +343,37 @@ def _linen_state(
     if workload.gather_at_use:
         apply_fn = gathering_apply(apply_fn, params, data_axes(workload.options.rules))
     state = TrainState(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt)
-    user_step = workload.step or _linen_step(workload.loss or mean_square)
+    user_step = workload.step or _linen_step(workload.loss or mean_square, workload.call.rng)
 
     def checked_step(state: TrainState, *batch: Any) -> tuple[TrainState, Any]:
-        return _linen_result(user_step(state, *batch), state)
+        try:
+            result = user_step(state, *batch)
+        except flax.errors.InvalidRngError as error:
+            # Flax's words name the module and the stream, not the step that gives none.
+            raise EscaleTypeError(
+                f"Workload step: the model draws random numbers the step gives it no key for "
+                f"({str(error).split(' (https')[0]}); call the model with keys, as "
+                "state.apply_fn(variables, *batch, rngs={'dropout': jax.random.fold_in(key, "
+                "state.step)}), or leave step out: the default step gives every stream the "
+                "Workload's rng."
+            ) from error
+        return _linen_result(result, state)
 
     return state, checked_step
 
 
-def _linen_step(loss: Callable[..., Any]) -> Callable[..., Any]:
+def _linen_step(loss: Callable[..., Any], rng: Any) -> Callable[..., Any]:
+    # The model's random streams (dropout, say) draw from the Workload's rng, folded with the
+    # step count as a training loop advances it (a key folded with a traced count cannot be
+    # folded into a constant by the compiler); one key serves every stream, as in Flax's init.
+    streams = rng if isinstance(rng, Mapping) else {"params": rng}
+
     def step(state: TrainState, *batch: Any) -> tuple[TrainState, jax.Array]:
+        keys = {name: jax.random.fold_in(key, state.step) for name, key in streams.items()}
+
         def objective(params: Any) -> jax.Array:
-            return _scalar_loss(loss(state.apply_fn({"params": params}, *batch), *batch))
+            outputs = state.apply_fn({"params": params}, *batch, rngs=keys)
+            return _scalar_loss(loss(outputs, *batch))
 
         value, grads = jax.value_and_grad(objective)(state.params)
         return state.apply_gradients(grads=grads), value

@@ -83,13 +83,55 @@ def test_mesh_kwargs_are_passed_on():
         ("dp:2:3,tp:4", r"token 'dp:2:3' is not of the form 'name:size'"),
         (":2,tp:4", r"token ':2' is not of the form 'name:size'"),
         ("dp:2,,tp:4", r"token '' is not of the form 'name:size'"),
-        ("", r"size '' in token '' is not an integer"),
+        ("", r"mesh string '' is empty; write 'name:size,...' such as 'dp:2,tp:4'"),
         ("dp:,tp:8", r"size '' in token 'dp:' is not an integer"),
     ],
 )
 def test_bad_strings_quote_the_offending_token(text, match):
     with pytest.raises(MeshError, match=match):
         parse_mesh_from_string(text, ("dp", "tp"))
+
+
+# Each case in both modes: partial only lets named axes be left out, it checks nothing less.
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("dp:-1,fsdp:-1,ep:1,tp:2,sp:1", r"gives 2 sizes of -1; only one axis can take"),
+        ("-1,-1,1,2,1", r"'-1,-1,1,2,1' gives 2 sizes of -1"),
+        ("dp:1,fsdp:-2,ep:1,tp:1,sp:1", r"size -2 in token 'fsdp:-2' is not a positive integer"),
+        ("1,-2,1,1,1", r"size -2 in token '-2' is not a positive integer"),
+        (
+            "dp:1,fsdp:0,ep:1,tp:1,sp:1",
+            r"size 0 in token 'fsdp:0' is not a positive integer.*"
+            r"an unused axis has size 1.*'dp:2,tp:4'",
+        ),
+        ("0,8,1,1,1", r"size 0 in token '0' is not a positive integer"),
+        (
+            "fsdp=4",
+            r"size 'fsdp=4' in token 'fsdp=4' is not an integer \(write fsdp:4, with a "
+            r"colon\); write 'name:size,...'",
+        ),
+        (
+            "dp:1,fsdp=4",
+            r"token 'fsdp=4' is not of the form 'name:size' \(write fsdp:4, with a "
+            r"colon\)",
+        ),
+    ],
+    ids=["two -1 named", "two -1", "-2 named", "-2", "0 named", "0", "= form", "= form mixed"],
+)
+def test_sizes_are_checked_in_every_mode(text, match, partial):
+    with pytest.raises(MeshError, match=match):
+        parse_mesh_shape(text, NAMES, partial=partial)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("text", ["fsdp:4", "4,2"], ids=["named", "positional"])
+def test_names_are_checked_to_be_distinct_in_every_mode(text, partial):
+    with pytest.raises(
+        MeshError, match=r"names \('fsdp', 'tp', 'fsdp'\) name the axes \['fsdp'\] "
+    ):
+        parse_mesh_shape(text, ("fsdp", "tp", "fsdp"), partial=partial)
 
 
 def test_device_count_mismatch_comes_from_create_mesh():

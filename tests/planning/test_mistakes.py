@@ -215,6 +215,57 @@ CASES = [
         r"pass one of \[.*'h100'",
         id="Candidate.explain-profile-unknown",
     ),
+    # --- a workload's and a profile's fields ---------------------------------------------
+    case(
+        lambda: workload(init_kwargs=3),
+        T,
+        "Workload: init_kwargs",
+        "int 3",
+        r"must be a mapping of keyword arguments.*init_kwargs=\{'train': False\}",
+        id="Workload-init-kwargs-int",
+    ),
+    case(
+        lambda: planning.HardwareProfile(3, 1e12, 1e9),
+        T,
+        "HardwareProfile name",
+        "int 3",
+        r"must be a string such as 'my accelerator'",
+        id="HardwareProfile-name-int",
+    ),
+    # --- the target, and the counts beside it ------------------------------------------------
+    case(
+        lambda: plan(target=fe.mesh.Target.named("cpu", devices=2), devices=4, slices=2),
+        fe.EscaleError,
+        "target='cpu'",
+        "devices=4",
+        r"disagrees with .*a Target of 2 devices.*leave devices out",
+        id="plan_mesh-target-and-other-devices",
+    ),
+    case(
+        lambda: plan(target=fe.mesh.Target.named("cpu", devices=2), devices=None, slices=2),
+        fe.EscaleError,
+        "target='cpu'",
+        "slices=2",
+        r"disagrees with .*in 1 slice\(s\).*leave slices out",
+        id="plan_mesh-target-and-other-slices",
+    ),
+    # --- options checked before anything is built or compiled ------------------------------
+    case(
+        lambda: plan(axes=("fsdp", "fsdp")),
+        fe.EscaleError,
+        "axes",
+        "('fsdp', 'fsdp')",
+        r"must be distinct axes .*\['fsdp'\] are given twice",
+        id="plan_mesh-axes-repeated",
+    ),
+    case(
+        lambda: plan(progress="yes"),
+        T,
+        "progress",
+        "str 'yes'",
+        "True or False",
+        id="plan_mesh-progress-string",
+    ),
     # --- a factory's reference -------------------------------------------------------------
     case(
         lambda: planning.load_factory(3),
@@ -268,3 +319,85 @@ def test_a_cache_that_cannot_be_written_is_a_library_error(tmp_path, monkeypatch
         fe.EscaleError, match=r"cache: cannot keep .* in '.*plan' \(Permission denied\); give"
     ):
         plan(cache=tmp_path / "plan")
+
+
+# --- what stops every mesh --------------------------------------------------------------------
+
+
+def test_agreeing_counts_beside_a_target_are_accepted():
+    target = fe.mesh.Target.named("cpu", devices=2)
+    assert fe.mesh.Target.named(target, devices=2, slices=1) is target
+
+
+def test_rules_naming_an_axis_the_meshes_lack_are_the_reason_given(monkeypatch):
+    # Every mesh is pruned, as the batch goes to 'model': the rules are at fault, not the
+    # meshes, and "no mesh fits" would send the user after memory.
+    monkeypatch.setattr(_evaluate, "_compile", None)  # nothing may compile
+    rules = [("batch", "model"), ("hidden_state", "model"), ("mlp_intermediate", "tp")]
+    with pytest.raises(
+        fe.EscaleError,
+        match=r"workload: its rules or overrides name the mesh axes \['model'\], which the "
+        r"planned meshes \(axes dp, fsdp, ep, tp, sp\) lack \(batch\[0\] dim 0 to model, "
+        r"params/w dim 0 to model\), and every one of the 1 meshes of 2 devices was pruned .*"
+        r"map the logical names to the library's mesh axes",
+    ):
+        plan(workload(rules=rules))
+
+
+def test_every_mesh_pruned_is_not_said_to_be_out_of_memory():
+    # A batch of 3 splits over no mesh of 2 devices: nothing was compiled, so no figure says
+    # anything about memory.
+    odd = planning.Workload(
+        _Tiny(), jax.random.key(0), (jax.ShapeDtypeStruct((3, 16), jnp.float32),), tx=optax.sgd(0.1)
+    )
+    result = plan(odd)
+    assert result.best is None
+    assert result.recommendation() == (
+        "No mesh was compiled: all 1 meshes of 2 devices were pruned, as none can run the "
+        f"workload as asked. The first, fsdp=2: {result.candidates[0].figures.reason}."
+    )
+    assert "cannot be split on fsdp=2" in result.recommendation()
+
+
+class _Dropping(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dropout(0.5, deterministic=False)(_Tiny()(x))
+
+
+@pytest.mark.parametrize("rng", [0, {"params": 0, "dropout": 1}], ids=["int seed", "streams"])
+def test_a_linen_model_drawing_random_numbers_plans_with_the_workloads_rng(rng):
+    # As init_sharded(model, mesh, 0, x) initializes it, the default step gives the model's
+    # streams the Workload's rng.
+    built = planning.Workload(_Dropping(), rng, (X,), tx=optax.sgd(0.1))
+    result = plan(built)
+    assert [c.figures.status for c in result.candidates] == ["compiled"]
+    assert result.best is not None
+
+
+def test_a_step_that_gives_the_model_no_key_says_so():
+    def step(state, x):
+        def objective(params):
+            return jnp.mean(state.apply_fn({"params": params}, x))
+
+        loss, grads = jax.value_and_grad(objective)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(
+        fe.EscaleError,
+        match=FAILED + r".*Workload step: the model draws random numbers the step gives it no "
+        r"key for \(.*dropout.*\); call the model with keys",
+    ):
+        plan(planning.Workload(_Dropping(), 0, (X,), tx=optax.sgd(0.1), step=step))
+
+
+def test_a_module_that_raises_as_it_is_imported_is_one_library_error(tmp_path):
+    module = tmp_path / "planning_raises_on_import_7731.py"
+    module.write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(
+        fe.EscaleError,
+        match=r"workload: importing '.*planning_raises_on_import_7731.py' of .* raised "
+        r"RuntimeError: no GPU here; fix the module",
+    ) as caught:
+        planning.load_factory(f"{module}:workload")
+    assert isinstance(caught.value.__cause__, RuntimeError)

@@ -1144,8 +1144,8 @@ def test_more_simulated_devices_than_a_host_can_hold_are_refused_up_front():
     ("argv", "message"),
     [
         (["--top", "-2"], "--top must be a positive int, got -2"),
-        (["--flops", "nan", "--bandwidth", "1e9"], "flops_per_second must be a finite number"),
-        (["--flops", "1e12", "--bandwidth", "inf"], "bytes_per_second must be a finite number"),
+        (["--flops", "nan", "--bandwidth", "1e9"], "--flops must be a finite number"),
+        (["--flops", "1e12", "--bandwidth", "inf"], "--bandwidth must be a finite number"),
     ],
     ids=["negative top", "nan flops", "infinite bandwidth"],
 )
@@ -1153,6 +1153,63 @@ def test_the_command_lines_numbers_are_checked(argv, message, capsys):
     code = main(["plan", f"{__name__}:module_level_workload", "--devices", "2", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "--devices must be a positive int, got 0."),
+        (["--devices", "2", "--slices", "0"], "--slices must be a positive int, got 0."),
+        (["--devices", "2", "--slices", "2"], "--slices: simulated CPU devices form one slice"),
+        (["--devices", "100000"], "--target 'cpu': devices=100000 is more than the 4096 devices"),
+        (["--target", "v9-8"], "--target: unknown target 'v9-8'"),
+        ([], "--target cpu (the default) simulates devices: pass --devices N"),
+        (["--devices", "2", "--memory", "0"], "--memory: the size must be positive, got '0'."),
+        (["--devices", "2", "--profile", "h900"], "--profile: unknown hardware profile 'h900'"),
+        (
+            ["--devices", "2", "--profile", "h100", "--flops", "1e12", "--bandwidth", "1e9"],
+            "--profile h100 and --flops, --bandwidth both describe the hardware, and one would be "
+            "ignored: give --profile alone, or a custom profile",
+        ),
+        (
+            ["--devices", "2", "--memory-bandwidth", "1e12"],
+            "--memory-bandwidth is for a custom profile, which needs both --flops and --bandwidth",
+        ),
+        (
+            ["--devices", "2", "--latency", "1e-6", "--flops", "1e12"],
+            "--flops and --latency are for a custom profile, which needs both",
+        ),
+        (["--devices", "2", "--axes", ""], "--axes must be a sequence of non-empty names"),
+        (["--devices", "2", "--axes", "fsdp,mp"], "--axes: ('fsdp', 'mp') must be distinct axes"),
+        (["--devices", "2", "--axes", "tp,tp"], "['tp'] are given twice"),
+        (["--devices", "2", "--time-budget", "-1"], "--time-budget must be a finite number"),
+    ],
+    ids=[
+        "devices 0",
+        "slices 0",
+        "slices on cpu",
+        "too many devices",
+        "unknown target",
+        "no devices",
+        "memory 0",
+        "unknown profile",
+        "profile and custom",
+        "memory bandwidth alone",
+        "latency without bandwidth",
+        "empty axes",
+        "unknown axis",
+        "repeated axis",
+        "negative time budget",
+    ],
+)
+def test_the_command_lines_errors_name_the_option(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(plan_module, "_build", None)  # refused before the workload is built
+    code = main(["plan", f"{__name__}:module_level_workload", *argv])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.startswith("python -m flax_escale plan: ")
+    assert message in captured.err
+    assert len(captured.err.splitlines()) == 1
 
 
 def test_a_factory_that_fails_is_one_library_error_in_this_process(tmp_path):

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import html.parser
 import json
+import os
 import re
 import struct
 import urllib.parse
@@ -245,6 +246,33 @@ def test_where_the_page_cannot_go(tmp_path, where, error, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_unwritable_folder_is_named(tmp_path):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("permission bits do not stop this user (root)")
+        target = folder / "r.html"
+        with pytest.raises(
+            fe.EscaleError,
+            match=re.escape(f"html={str(target)!r}: cannot write the report: Permission denied"),
+        ):
+            fe.sharding_report(_nnx_plan(), show=False, html=target)
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(0o700)
+    # A page that cannot be read is not known to be ours: the same error, not "not ours".
+    page = folder / "r.html"
+    page.write_text("<html>unreadable</html>")
+    page.chmod(0o200)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(f"html={str(page)!r}: cannot write the report: Permission denied"),
+    ):
+        fe.sharding_report(_nnx_plan(), show=False, html=page)
+
+
 def test_sharding_report_refuses_a_baseline_that_is_not_a_plan():
     with pytest.raises(fe.EscaleTypeError, match=r"baseline must be a ShardingPlan, got dict"):
         fe.sharding_report(_nnx_plan(), show=False, baseline={})
@@ -320,8 +348,46 @@ def test_the_command_line_prints_the_report_and_writes_the_page(
         (["--mesh", "fsdp:3,tp:2"], "multiply to 6, but the mesh has 8 devices"),
         (["--mesh", "fsdp:4,mp:2"], "unknown axis name 'mp' in token 'mp:2'"),
         (["--mesh", "1,8,1,1,1", "--baseline-mesh", "fsdp:x"], "size 'x' in token 'fsdp:x'"),
+        (
+            ["--mesh", "fsdp=4"],
+            "--mesh 'fsdp=4': size 'fsdp=4' in token 'fsdp=4' is not an integer (write fsdp:4, "
+            "with a colon); write 'name:size,...' such as 'dp:2,tp:4', or one size per axis",
+        ),
+        (
+            ["--mesh", "fsdp:0"],
+            "--mesh 'fsdp:0': size 0 in token 'fsdp:0' is not a positive integer; every axis has "
+            "at least one device (an unused axis has size 1)",
+        ),
+        (["--mesh", "fsdp:-1,tp:-1"], "--mesh 'fsdp:-1,tp:-1' gives 2 sizes of -1"),
+        (["--mesh", "fsdp:-2"], "--mesh 'fsdp:-2': size -2 in token 'fsdp:-2' is not a positive"),
+        (["--mesh", ""], "--mesh '' is empty; write 'name:size,...'"),
+        (
+            ["--mesh", "fsdp:8", "--baseline-mesh", "fsdp=8"],
+            "--baseline-mesh 'fsdp=8': size 'fsdp=8' in token 'fsdp=8' is not an integer (write "
+            "fsdp:8, with a colon)",
+        ),
+        (
+            ["--mesh", "fsdp:8", "--baseline-mesh", "mp:8"],
+            "--baseline-mesh 'mp:8': unknown axis name 'mp'",
+        ),
+        (
+            ["--mesh", "fsdp:8", "--baseline-mesh", "fsdp:3"],
+            "--baseline-mesh: axis_dims (1, 3, 1, 1, 1) multiply to 3, but the mesh has 8",
+        ),
     ],
-    ids=["wrong size", "unknown axis", "bad baseline"],
+    ids=[
+        "wrong size",
+        "unknown axis",
+        "bad baseline",
+        "= form",
+        "size 0",
+        "two -1",
+        "size -2",
+        "empty",
+        "baseline = form",
+        "baseline unknown axis",
+        "baseline wrong size",
+    ],
 )
 def test_the_command_line_exits_2_on_a_bad_mesh(examples_importable, argv, message, capsys):
     code = main(["report", "nnx_llama:workload", *argv])
@@ -330,6 +396,48 @@ def test_the_command_line_exits_2_on_a_bad_mesh(examples_importable, argv, messa
     assert captured.err.startswith("python -m flax_escale report: ")
     assert message in captured.err
     assert captured.out == ""
+
+
+def test_the_command_line_refuses_more_devices_than_one_host_simulates_before_jax(
+    examples_importable, monkeypatch, capsys
+):
+    # Asked of JAX, 100,000 simulated devices take the process down before anything is planned.
+    asked = []
+    monkeypatch.setattr(jax.config, "update", lambda *args: asked.append(args))
+    code = main(["report", "nnx_llama:workload", "--mesh", "fsdp:100000"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "python -m flax_escale report: --mesh 'fsdp:100000' asks for 100000 devices, more than "
+        "the 4096 one host simulates for a report; give a mesh of at most 4096 devices.\n"
+    )
+    assert asked == []
+    code = main(["report", "nnx_llama:workload", "--mesh", "fsdp:8", "--baseline-mesh", "tp:8192"])
+    assert code == 2
+    assert "--baseline-mesh 'tp:8192' asks for 8192 devices" in capsys.readouterr().err
+    assert asked == []
+
+
+def test_the_command_line_says_in_one_line_that_a_module_raised_on_import(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "report_raises_on_import_3317.py").write_text("raise RuntimeError('no GPU')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["report", "report_raises_on_import_3317:workload", "--mesh", "fsdp:8"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err == (
+        "python -m flax_escale report: workload: importing 'report_raises_on_import_3317' of "
+        "'report_raises_on_import_3317:workload' raised RuntimeError: no GPU; fix the module so "
+        "that it imports (its traceback is this error's cause), then plan again.\n"
+    )
+    assert captured.out == ""
+
+
+def test_the_command_line_names_html_in_its_errors(examples_importable, tmp_path, capsys):
+    missing = tmp_path / "missing" / "report.html"
+    code = main(["report", "nnx_llama:workload", "--mesh", "fsdp:8", "--html", str(missing)])
+    assert code == 2
+    assert f"report: --html={str(missing)!r}: the folder" in capsys.readouterr().err
 
 
 def test_the_command_line_never_overwrites_a_foreign_file(examples_importable, tmp_path, capsys):

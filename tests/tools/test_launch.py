@@ -421,9 +421,17 @@ def test_process_environment_checks_its_arguments(args, exc, match):
 
 def test_command_line_errors(capsys):
     assert main(["launch", "--processes", "0", "x.py"]) == 2
-    assert "python -m flax_escale launch: processes must be a positive int" in (
+    assert "python -m flax_escale launch: --processes must be a positive int" in (
         capsys.readouterr().err
     )
+    # Each option by its own name, as the command line spells it.
+    for argv, message in [
+        (["--devices-per-process", "0"], "--devices-per-process must be a positive int, got 0."),
+        (["--port", "0"], "--port must be a TCP port, an int from 1 to 65535, got 0."),
+        (["--grace", "nan"], "--grace must be a finite number of at least 0, got nan."),
+    ]:
+        assert main(["launch", *argv, "x.py"]) == 2
+        assert f"python -m flax_escale launch: {message}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
