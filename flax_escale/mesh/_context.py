@@ -16,7 +16,8 @@ def current_mesh() -> Mesh | AbstractMesh:
 
     A mesh set with ``jax.set_mesh`` is found first: outside ``jax.jit`` as the concrete
     ``Mesh``, inside a traced function as the ``AbstractMesh`` (that is all JAX keeps there).
-    A mesh entered with the deprecated ``with mesh:`` is found too.
+    A mesh entered with the deprecated ``with mesh:`` is found too. Like JAX's, the context
+    is per thread: a thread sees only the meshes entered in it.
 
     Returns:
         The current ``Mesh``, or its ``AbstractMesh`` while tracing.
@@ -44,7 +45,9 @@ def current_mesh() -> Mesh | AbstractMesh:
     if legacy is None:
         raise NoMeshError(
             "No mesh is set in the current context. Enter one with `with jax.set_mesh(mesh):` "
-            "(build it with flax_escale.create_mesh), or pass mesh=... explicitly."
+            "(build it with flax_escale.create_mesh), or pass mesh=... explicitly. The context "
+            "is per thread: a thread started inside `jax.set_mesh` or `use_sharding` does not "
+            "inherit it, so enter it in that thread too."
         )
     return legacy
 

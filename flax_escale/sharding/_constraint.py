@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -12,9 +13,11 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, without_unit_explicit_axes
 from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
-from flax_escale.resolve import enforce, fit_mesh_axes
+from flax_escale.resolve import Resolution, enforce, fit_mesh_axes
+from flax_escale.resolve._fit import Correction
+from flax_escale.sharding._context import no_mesh_in_this_thread
 
-__all__ = ["apply_spec", "with_sharding_constraint"]
+__all__ = ["apply_spec", "enforce_unconstrained", "with_sharding_constraint"]
 
 
 def _split_by_type(
@@ -53,6 +56,79 @@ def _kept_where_unconstrained(spec: PartitionSpec, current: PartitionSpec) -> li
 def _current_spec(x: Any) -> PartitionSpec:
     sharding = getattr(jax.typeof(x), "sharding", None)
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+def _placed(x: Any, mesh: Mesh | AbstractMesh) -> bool:
+    # A concrete array on a concrete mesh is placed with device_put (no compiler to leave an
+    # UNCONSTRAINED dimension to); anything else is constrained in a traced program.
+    return isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer)
+
+
+def enforce_unconstrained(
+    x: Any, resolution: Resolution, mesh: Mesh | AbstractMesh, *, strict: bool, stacklevel: int
+) -> None:
+    """Says where an ``UNCONSTRAINED`` dimension loses axes it has, as the one policy says.
+
+    On Explicit mesh axes (and when a concrete array is placed) nothing is left to a compiler:
+    an ``UNCONSTRAINED`` dimension keeps the array's current axes (see :func:`apply_spec`). An
+    axis the spec gives to another dimension cannot stay, so the dimension loses it, which is
+    not what ``UNCONSTRAINED`` asks: that is warned (or, with ``strict``, raised).
+
+    Args:
+        x: The array about to be constrained.
+        resolution: Its resolution, whose ``spec`` is about to be applied.
+        mesh: The mesh.
+        strict: Raise instead of warning.
+        stacklevel: Passed to :func:`~flax_escale.resolve.enforce`.
+
+    Raises:
+        ShardingResolutionError: With ``strict``, if a dimension loses axes.
+    """
+    spec = resolution.spec
+    if not any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
+        return
+    if _placed(x, mesh):
+        current = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+        where = "an array placed outside jax.jit"
+    else:
+        # While tracing, an array's type holds its Explicit axes only: Auto ones are the
+        # compiler's to choose, as UNCONSTRAINED asks.
+        current, where = _current_spec(x), "Explicit mesh axes"
+    kept = _kept_where_unconstrained(spec, current)
+    corrections = []
+    for dim, entry in enumerate(spec):
+        had = mesh_axes_of(current[dim]) if dim < len(current) else ()
+        lost = tuple(a for a in had if a not in mesh_axes_of(kept[dim]))
+        if entry is PartitionSpec.UNCONSTRAINED and lost:
+            corrections.append(
+                Correction(
+                    "reused",
+                    dim,
+                    lost,
+                    x.shape[dim],
+                    f"it is PartitionSpec.UNCONSTRAINED, which on {where} keeps the array's "
+                    f"axes there ({', '.join(map(repr, had))}): nothing is left to the "
+                    f"compiler; but the spec gives {lost} to another dimension, so this one "
+                    "loses them. To choose its axes, name them instead of UNCONSTRAINED, or "
+                    "use Auto mesh axes to leave them to the compiler",
+                )
+            )
+    if corrections:
+        applied = PartitionSpec(
+            *(kept[d] if e is PartitionSpec.UNCONSTRAINED else e for d, e in enumerate(spec))
+        )
+        enforce(
+            dataclasses.replace(
+                resolution,
+                spec=applied,
+                rules_spec=spec,
+                corrections=tuple(corrections),
+                unknown_names=(),
+                passed_over=(),
+            ),
+            strict=strict,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> jax.Array:
@@ -127,8 +203,13 @@ def with_sharding_constraint(
 
     The mesh is the ``NamedSharding``'s, else ``mesh=``, else the current mesh (``jax.set_mesh``
     or the legacy ``with mesh:``). With no mesh at all ``arr`` is returned unchanged, so the same
-    model code runs on a single device. Numpy and Python inputs become ``jax.Array``s. On
-    Explicit mesh axes the constraint is a ``jax.sharding.reshard``.
+    model code runs on a single device; the mesh is per thread, and with none here while
+    :func:`~flax_escale.use_sharding` is open in another thread (a thread started inside it),
+    that nothing is constrained is said the same way. Numpy and Python inputs become
+    ``jax.Array``s. On Explicit mesh axes the constraint is a ``jax.sharding.reshard``, which
+    leaves nothing to the compiler: a ``PartitionSpec.UNCONSTRAINED`` dimension keeps the axes
+    the array has there (as it does outside ``jax.jit``), and one it loses to another dimension
+    of the spec is a correction too.
 
     Args:
         arr: An array or a pytree of arrays.
@@ -140,7 +221,9 @@ def with_sharding_constraint(
         ``arr`` with the constraints applied.
 
     Raises:
-        ShardingResolutionError: With ``strict=True``, if a spec does not fit.
+        ShardingResolutionError: With ``strict=True``, if a spec does not fit, an
+            ``UNCONSTRAINED`` dimension loses its axes, or there is no mesh in this thread while
+            ``use_sharding`` is open in another.
         EscaleTypeError: If ``sharding`` is a string or not a spec (or a tree of them shaped
             like ``arr``), ``mesh`` is not a mesh, ``strict`` not a bool, or a leaf of ``arr``
             not an array.
@@ -182,6 +265,11 @@ def with_sharding_constraint(
                     f"shaped like arr, got {check.describe(sharding)}; pass e.g. "
                     "PartitionSpec('dp')."
                 )
+    if mesh is None and not all(isinstance(s, NamedSharding) for s in shardings):
+        try:
+            mesh = current_mesh()
+        except NoMeshError:
+            no_mesh_in_this_thread("with_sharding_constraint", strict=strict, stacklevel=2)
     out = [
         _constrain_leaf(leaf, s, mesh, strict) for leaf, s in zip(leaves, shardings, strict=True)
     ]
@@ -198,12 +286,10 @@ def _constrain_leaf(
         mesh, spec = sharding.mesh, sharding.spec
     else:
         spec = PartitionSpec() if sharding is None else sharding
-        if mesh is None:
-            try:
-                mesh = current_mesh()
-            except NoMeshError:
-                return leaf
+        if mesh is None:  # no mesh set (said by with_sharding_constraint if one is elsewhere)
+            return leaf
     array = leaf if isinstance(leaf, jax.Array) else _as_array(leaf)
     resolution = fit_mesh_axes(tuple(spec), shape=array.shape, mesh=mesh)
     enforce(resolution, strict=strict, stacklevel=4)
+    enforce_unconstrained(array, resolution, mesh, strict=strict, stacklevel=4)
     return apply_spec(array, resolution.spec, mesh)

@@ -19,7 +19,8 @@ from flax_escale.resolve import (
     enforce,
     resolve_logical_axes,
 )
-from flax_escale.sharding._constraint import apply_spec
+from flax_escale.sharding._constraint import apply_spec, enforce_unconstrained
+from flax_escale.sharding._context import no_mesh_in_this_thread
 
 __all__ = ["constrain"]
 
@@ -41,7 +42,11 @@ def constrain(
     ``nn.with_logical_constraint``, ``x`` is returned unchanged, with no constraint, when
     ``logical_axes`` is ``None``, when there is no mesh (so models still run on one device), and
     when the rules are empty (``nn.logical_axis_rules(())``); a ``PartitionSpec.UNCONSTRAINED``
-    entry leaves its dimension to the compiler.
+    entry leaves its dimension to the compiler. On Explicit mesh axes (and outside ``jax.jit``)
+    there is no compiler to leave it to: the dimension keeps the axes ``x`` has there, and losing
+    one to another dimension is a correction (see :func:`~flax_escale.with_sharding_constraint`).
+    The mesh is per thread: with none here while :func:`~flax_escale.use_sharding` is open in
+    another thread (a thread started inside it), that nothing is constrained is a correction too.
 
     Args:
         x: The activation.
@@ -60,8 +65,10 @@ def constrain(
         ``x``, constrained.
 
     Raises:
-        ShardingResolutionError: With ``strict``, if anything could not apply; with
-            ``fallback=RAISE_ERROR``, if a logical name has no rule.
+        ShardingResolutionError: With ``strict``, if anything could not apply (a dimension
+            that does not fit, an ``UNCONSTRAINED`` one losing its axes, no mesh in this thread
+            while ``use_sharding`` is open in another); with ``fallback=RAISE_ERROR``, if a
+            logical name has no rule.
         EscaleTypeError: If ``logical_axes`` is a string, ``mesh`` not a mesh, ``strict`` not
             a bool, ``fallback`` not a ``RulesFallback``, or ``x`` not an array.
 
@@ -92,6 +99,7 @@ def constrain(
         try:
             mesh = current_mesh()
         except NoMeshError:
+            no_mesh_in_this_thread("constrain", strict=strict, stacklevel=2)
             return x
     frozen = as_logical_rules(rules)
     if not frozen:
@@ -114,4 +122,5 @@ def constrain(
             "RulesFallback.AXIS_IS_UNSHARDED to leave such dimensions unsharded instead.)"
         )
     enforce(resolution, strict=strict)
+    enforce_unconstrained(array, resolution, mesh, strict=strict, stacklevel=2)
     return apply_spec(array, resolution.spec, mesh)

@@ -7,14 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale import _checks as check
-from flax_escale._specs import without_unit_explicit_axes
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import current_mesh
-from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
+from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding._constraint import apply_spec
+from flax_escale.sharding._map_axes import MapAxes, arrays_of
 
 __all__ = ["logical_shard_map"]
 
@@ -38,16 +38,23 @@ def logical_shard_map(
     (a ``jax.sharding.reshard`` on Explicit mesh axes, which ``jax.shard_map`` would otherwise
     refuse), so the layout change is a visible step of the program.
 
+    A logical name names one dimension throughout: an output's dimension named like an
+    input's is split as the first input naming it was (so the blocks the body returns make
+    up the input's shape again). Where that input's dimension was corrected (6 rows do not
+    split over ``fsdp=4``), the output's is corrected alike, with its own warning (or, with
+    ``strict``, error) naming ``out_axes``.
+
     Args:
         f: The per-device body, as for ``jax.shard_map``.
         in_axes: One entry per positional argument: a tuple of logical names (or ``None``) per
             dimension, or a pytree (dict, list) whose leaves are such tuples. A
             ``PartitionSpec`` leaf is taken as it is (for a layout the body computes itself).
-        out_axes: The same for the outputs: one tuple of names, or a pytree of them.
+        out_axes: The same for the outputs: one tuple of names (for every output), or a pytree
+            of them shaped like the outputs.
         mesh: The mesh; defaults to the current mesh.
         rules: The rules; defaults to Flax's rules context, then to ``PartitionAxis()``.
         strict: Raise instead of correcting (a name whose mesh axes do not divide its
-            dimension); otherwise corrections warn.
+            dimension, a name without a rule); otherwise corrections warn.
         check_vma: Passed to ``jax.shard_map``.
 
     Returns:
@@ -55,9 +62,16 @@ def logical_shard_map(
 
     Raises:
         NoMeshError: At the call, if there is no mesh.
-        EscaleError: At the call, if ``in_axes`` has not one entry per argument.
-        EscaleTypeError: If ``in_axes`` is not a sequence, or a leaf is not a tuple of names.
-        ShardingResolutionError: With ``strict``, if a name's axes do not fit its dimension.
+        EscaleError: At the call, naming the ``in_axes`` or ``out_axes`` entry: if ``in_axes``
+            has not one entry per argument; if an entry's structure differs from its
+            argument's or the outputs'; if an entry is longer than its array's rank; if a
+            ``PartitionSpec`` names an axis the mesh lacks or twice, or does not divide its
+            input; if an output left unsplit over a mesh axis varies over it.
+        EscaleTypeError: If ``f`` is not callable, ``in_axes`` is not a sequence, an entry is
+            not a tuple of names, a flag is not a bool, or an argument is not an array.
+        ShardingResolutionError: At the call, if an entry names one logical name twice or more
+            dimensions than its input has; with ``strict``, if a name's axes do not fit its
+            dimension or a name has no rule.
 
     Example:
         >>> import jax
@@ -78,87 +92,46 @@ def logical_shard_map(
             f"{check.describe(in_axes)}; e.g. in_axes=[('batch', 'hidden_state')]."
         )
     in_axes = tuple(in_axes)
-    strict = check.flag(strict, "strict")
+    f = check.callable_(f, "f", "pass the per-device body, e.g. lambda x: x * 2.")
+    strict, check_vma = check.flag(strict, "strict"), check.flag(check_vma, "check_vma")
     mesh = check.optional_mesh(mesh)
+    name = getattr(f, "__name__", type(f).__name__)
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
-        if len(args) != len(in_axes):
-            raise EscaleError(
-                f"logical_shard_map({getattr(f, '__name__', f)!r}): {len(args)} arguments but "
-                f"{len(in_axes)} entries in in_axes; give one logical-axes entry per argument."
-            )
+        args = arrays_of(name, in_axes, args)
         on = mesh if mesh is not None else current_mesh()
-        frozen = as_logical_rules(rules)
-
-        def spec(where: str, axes: Any, shape: Sequence[int] | None) -> PartitionSpec:
-            if isinstance(axes, PartitionSpec):
-                given = check.spec_on(on, axes, f"logical_shard_map: {where}")
-            elif axes is None or (
-                isinstance(axes, tuple) and all(n is None or isinstance(n, str) for n in axes)
-            ):
-                resolution = resolve_logical_axes(axes, frozen, shape=shape, mesh=on, strict=strict)
-                given = enforce(resolution, strict=strict, path=where, stacklevel=4).spec
-            else:
-                raise EscaleTypeError(
-                    f"logical_shard_map: {where} is {check.describe(axes)}; each array takes a "
-                    "tuple of logical names (or None), e.g. ('batch', 'hidden_state')."
-                )
-            # As apply_spec places it: JAX types an array on Explicit axes without their
-            # size-1 axes, and jax.shard_map wants the spec to match that type exactly.
-            return without_unit_explicit_axes(given, on)
-
-        in_specs = tuple(
-            _per_array(f"in_axes[{i}]", axes, arg, lambda w, a, x: spec(w, a, jax.numpy.shape(x)))
-            for i, (axes, arg) in enumerate(zip(in_axes, args, strict=True))
-        )
-        out_specs = _per_array("out_axes", out_axes, None, lambda w, a, _: spec(w, a, None))
+        axes = MapAxes(name, on, as_logical_rules(rules), strict)
+        in_specs = axes.inputs(in_axes, args)
+        out_specs = axes.outputs(out_axes)
         placed = jax.tree.map(lambda s, x: apply_spec(x, s, on), in_specs, args)
+
+        @functools.wraps(f)
+        def checked(*blocks: Any) -> Any:
+            out = f(*blocks)
+            # Before jax.shard_map compares the outputs with out_specs, in its own words.
+            axes.check_outputs(out_axes, out)
+            return out
+
         body = jax.shard_map(
-            f, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+            checked, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
         )
-        return body(*placed)
+        try:
+            return body(*placed)
+        except EscaleError:
+            raise
+        except ValueError as error:
+            if "out_specs" not in str(error):
+                raise
+            lines = str(error).splitlines()
+            said = next((line for line in lines if line.startswith("out_specs is")), lines[0])
+            raise EscaleError(
+                f"logical_shard_map({name!r}): out_axes {out_axes!r} resolve to {out_specs} on "
+                f"mesh {dict(on.shape)}, which the body's outputs do not fit: an output left "
+                "unsplit over a mesh axis must be the same on every device of that axis. Split "
+                "the output over those axes in out_axes (name its dimensions as the inputs' that "
+                "vary over them), reduce over them in the body (jax.lax.psum), or pass "
+                f"check_vma=False if the values do agree. JAX says: {said}"
+            ) from error
 
     return mapped
-
-
-def _is_axes(node: Any) -> bool:
-    """Whether ``node`` is one array's entry: a tuple of names, None or a ``PartitionSpec``.
-
-    A plain tuple holding no containers counts as one, so that a wrong name in it
-    (``("batch", 3)``) is reported as such rather than as a tree of the wrong structure.
-    """
-    return (
-        node is None
-        or isinstance(node, PartitionSpec)
-        or (
-            type(node) is tuple  # a NamedTuple is a structure of arrays, as for JAX
-            and not any(isinstance(n, tuple | list | dict | PartitionSpec) for n in node)
-        )
-    )
-
-
-def _per_array(
-    where: str, axes: Any, values: Any, resolve: Callable[[str, Any, Any], PartitionSpec]
-) -> Any:
-    """``resolve(path, names, value)`` for each tuple of names in ``axes`` (a pytree of them).
-
-    ``values``, when given, has ``axes``'s structure down to each tuple (the array there).
-    """
-    if values is None:
-        values = jax.tree.map(lambda _: None, axes, is_leaf=_is_axes)
-    try:
-        return jax.tree.map_with_path(
-            lambda path, a, x: resolve(f"{where}{jax.tree_util.keystr(path)}", a, x),
-            axes,
-            values,
-            is_leaf=_is_axes,
-        )
-    except ValueError as error:
-        if "structure" not in str(error) and "match" not in str(error):
-            raise
-        raise EscaleError(
-            f"logical_shard_map: {where} is {axes!r}, whose structure does not match the "
-            f"argument's ({jax.tree.structure(values)}); give one tuple of logical names per "
-            "array."
-        ) from None

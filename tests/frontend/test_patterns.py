@@ -1,8 +1,10 @@
 import re
 
 import pytest
+from flax import nnx
 
-from flax_escale import EscaleError, EscaleTypeError
+from flax_escale import EscaleError, EscaleTypeError, create_mesh, init_sharded, sharded_module
+from flax_escale import _regex as user_patterns
 from flax_escale._frontend import AxesPatterns
 from flax_escale._regex import UserPattern
 
@@ -197,3 +199,35 @@ def test_invalid_regex_position_refers_to_the_pattern():
     assert expected.value.pos == 3
     with pytest.raises(EscaleError, match=r"at position 3\b"):
         AxesPatterns.compile("M", {"ker(nel": ("a",)})
+
+
+# --- a pattern that backtracks past the bound is an error, on every front end's surface --------
+
+SLOW, LONG = "(a|aa)+", "a" * 200 + "b"
+
+
+def test_a_pattern_past_the_bound_is_an_error_naming_owner_pattern_path_and_bound(monkeypatch):
+    monkeypatch.setattr(user_patterns, "MATCH_SECONDS", 0.05)
+    p = AxesPatterns.compile("MLP", {SLOW: HM})
+    said = re.escape(f"MLP: the pattern {SLOW!r} took over 0.05 s against '{'a' * 200}b")
+    with pytest.raises(EscaleError, match=said):
+        p.match(f"{LONG}/kernel")
+    with pytest.raises(EscaleError, match=said):
+        p.match_array(f"{LONG}/kernel", (4, 4), shown_path="x", stack_hint="")
+
+
+class _Wide(nnx.Module):
+    def __init__(self, rngs):
+        setattr(self, LONG, nnx.Linear(8, 8, rngs=rngs))
+
+
+@pytest.mark.parametrize("surface", ["sharded_module", "overrides"])
+def test_nnx_patterns_past_the_bound_are_an_error(monkeypatch, surface):
+    monkeypatch.setattr(user_patterns, "MATCH_SECONDS", 0.05)
+    mesh = create_mesh((1, 8, 1, 1, 1))
+    declared, kwargs = _Wide, {"overrides": {SLOW: (None, None)}}
+    if surface == "sharded_module":
+        declared = sharded_module({SLOW: (None, None)})(type("SlowWide", (_Wide,), {}))
+        kwargs = {}
+    with pytest.raises(EscaleError, match=re.escape(f"the pattern {SLOW!r} took over 0.05 s")):
+        init_sharded(declared, mesh, 0, **kwargs)

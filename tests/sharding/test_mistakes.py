@@ -27,6 +27,7 @@ from support.mistakes import (
 )
 
 import flax_escale as fe
+from flax_escale import _regex as user_patterns
 from flax_escale import sharding as fes
 
 CASES = [
@@ -419,6 +420,37 @@ def test_a_pattern_that_backtracks_without_end_is_an_error_within_seconds(surfac
     ):
         _slow_everywhere()[surface]()
     assert time.perf_counter() - start < 30  # re alone takes minutes (2**60 paths)
+
+
+# The issue's own pattern, (a+)+ searched for in a long path, on the surfaces that search (the
+# regex package fullmatches it in polynomial time, so sharded_module patterns and overrides,
+# which fullmatch, answer "no match" there, and say so: see tests/frontend/test_patterns.py).
+NESTED = "(a+)+$"
+LONG_PATH = "a" * 2000 + "b"  # well over the bound below on any machine
+
+
+def _searching_surfaces():
+    tree = {LONG_PATH: np.zeros((8, 8))}
+    return {
+        "match_partition_rules": lambda: fe.eformer.match_partition_rules([(NESTED, P())], tree),
+        "specs_from_regex": lambda: fes.specs_from_regex([(NESTED, P())], tree),
+        "pattern_based": lambda: fe.eformer.create_pattern_based_partition_spec(f"{NESTED}->fsdp")(
+            LONG_PATH, np.zeros((8, 8))
+        ),
+    }
+
+
+@pytest.mark.parametrize("surface", list(_searching_surfaces()))
+def test_a_nested_repetition_past_the_bound_is_an_error_naming_pattern_path_and_bound(
+    surface, monkeypatch
+):
+    monkeypatch.setattr(user_patterns, "MATCH_SECONDS", 0.05)
+    with pytest.raises(
+        fe.EscaleError,
+        match=re.escape(f"the pattern {NESTED!r} took over 0.05 s against {LONG_PATH!r}: a ")
+        + r"repetition of a repetition .* write it with one repetition",
+    ):
+        _searching_surfaces()[surface]()
 
 
 def test_two_arrays_of_one_path_are_refused_rather_than_matched_alike():

@@ -1,4 +1,5 @@
 import contextlib
+import threading
 
 import flax.linen as nn
 import jax
@@ -10,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 from support.lowered import sharding_constraints
 
 from flax_escale import (
+    EscaleError,
+    NoMeshError,
     PartitionAxis,
     ShardingCorrectionWarning,
     ShardingResolutionError,
@@ -19,6 +22,7 @@ from flax_escale import (
     use_sharding,
     with_sharding_constraint,
 )
+from flax_escale.mesh import current_mesh
 from flax_escale.resolve import as_logical_rules
 
 AXIS_TYPES = ["auto", "explicit"]
@@ -270,13 +274,180 @@ def test_one_context_object_can_be_entered_again(devices):
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["placed", "in jit"])
 def test_an_unconstrained_dimension_gives_up_the_axis_another_dimension_takes(devices, jitted):
+    # On Explicit axes UNCONSTRAINED keeps the array's axes; the fsdp the spec moves to the
+    # second dimension cannot stay on the first, which is said (nothing left to a compiler).
     mesh = create_mesh((1, 8, 1, 1, 1), axis_types="explicit")
-    x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("fsdp")))
+    x = jax.device_put(
+        np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("fsdp"))
+    )
 
-    def move(a):
-        return with_sharding_constraint(a, P(P.UNCONSTRAINED, "fsdp"))
+    def move(a, strict=False):
+        return with_sharding_constraint(a, P(P.UNCONSTRAINED, "fsdp"), strict=strict)
 
     with use_sharding(mesh):
-        y = (jax.jit(move) if jitted else move)(x)
+        with pytest.warns(
+            ShardingCorrectionWarning,
+            match=r"(?s)mesh axes P\(UNCONSTRAINED, 'fsdp'\) with shape \(8, 8\) on mesh .* "
+            r"corrected to P\(None, 'fsdp'\):\n  - dimension 0: it is "
+            r"PartitionSpec\.UNCONSTRAINED, which on (Explicit mesh axes|an array placed "
+            r"outside jax\.jit) keeps the array's "
+            r"axes there \('fsdp'\): nothing is left to the compiler; but the spec gives "
+            r"\('fsdp',\) to another dimension",
+        ):
+            y = (jax.jit(move) if jitted else move)(x)
+        with pytest.raises(ShardingResolutionError, match=r"(?s)UNCONSTRAINED.*strict=True"):
+            (jax.jit(move, static_argnums=1) if jitted else move)(x, True)
     assert y.sharding.spec == P(None, "fsdp")
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["placed", "in jit"])
+def test_constrain_with_an_unconstrained_dimension_that_loses_its_axis_says_so(devices, jitted):
+    mesh = create_mesh((1, 4, 1, 2, 1), axis_types="explicit")
+    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("tp")))
+
+    def move(a):
+        return constrain(a, (P.UNCONSTRAINED, "hidden_state"))  # hidden_state -> tp
+
+    with (
+        use_sharding(mesh),
+        pytest.warns(
+            ShardingCorrectionWarning,
+            match=r"(?s)logical axes \(UNCONSTRAINED, 'hidden_state'\).*dimension 0 "
+            r"\(UNCONSTRAINED\): it is PartitionSpec\.UNCONSTRAINED.*gives \('tp',\) to another",
+        ),
+    ):
+        y = (jax.jit(move) if jitted else move)(x)
+    assert y.sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("axis_types", AXIS_TYPES)
+def test_an_unconstrained_dimension_that_keeps_its_axes_is_not_a_correction(devices, axis_types):
+    mesh = create_mesh((1, 4, 1, 2, 1), axis_types=axis_types)
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("tp")))
+    with use_sharding(mesh):  # filterwarnings=error: a warning fails
+        y = jax.jit(lambda a: with_sharding_constraint(a, P(P.UNCONSTRAINED, "fsdp")))(x)
+    if axis_types == "explicit":
+        assert y.sharding.spec == P("tp", "fsdp")  # the first dimension keeps its tp
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+# --- threads: the context is per thread, as JAX's and Flax's are ------------------------------
+
+
+def _run_threads(*targets):
+    """Runs each target in its own thread; the exceptions they raised, by thread index."""
+    failures = {}
+
+    def guarded(index, target):
+        try:
+            target()
+        except BaseException as error:  # reported to the test, not lost
+            failures[index] = error
+
+    threads = [
+        threading.Thread(target=guarded, args=(i, t), name=f"worker-{i}")
+        for i, t in enumerate(targets)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a thread did not finish (a barrier left waiting)"
+    return failures
+
+
+def test_one_object_entered_by_two_threads_keeps_each_threads_own_context(devices):
+    shared = _mesh()
+    outer = {0: create_mesh((1, 2, 1, 4, 1)), 1: create_mesh((1, 8, 1, 1, 1))}
+    context = use_sharding(shared, RULES)
+    both_inside, first_left, seen = threading.Barrier(2), threading.Barrier(2), {}
+
+    def thread(index):
+        with jax.set_mesh(outer[index]):
+            context.__enter__()
+            both_inside.wait()  # both threads inside the one object
+            seen[index, "inside"] = (current_mesh(), _current_rules())
+            if index == 0:  # thread 0 leaves first, while thread 1 is still inside
+                context.__exit__(None, None, None)
+                seen[0, "left"] = (current_mesh(), _current_rules())
+                first_left.wait()
+            else:
+                first_left.wait()
+                seen[1, "still inside"] = (current_mesh(), _current_rules())
+                context.__exit__(None, None, None)
+                seen[1, "left"] = (current_mesh(), _current_rules())
+
+    assert _run_threads(lambda: thread(0), lambda: thread(1)) == {}
+    rules = as_logical_rules(RULES)
+    assert seen[0, "inside"] == seen[1, "inside"] == seen[1, "still inside"] == (shared, rules)
+    assert seen[0, "left"] == (outer[0], ())
+    assert seen[1, "left"] == (outer[1], ())
+
+
+def test_a_thread_started_inside_use_sharding_has_no_mesh_and_constraints_say_so(devices):
+    mesh, x = _mesh(), jnp.ones((8, 4))
+    found = {}
+
+    def step():
+        with pytest.raises(NoMeshError, match=r"The context is per thread"):
+            current_mesh()
+        with pytest.warns(
+            ShardingCorrectionWarning,
+            match=r"constrain: no mesh is set in this thread \('worker-0'\), so the constraint "
+            r"does nothing, while use_sharding is open in thread 'MainThread' on the mesh "
+            r"\{'dp': 1, 'fsdp': 4, 'ep': 1, 'tp': 2, 'sp': 1\}\. The mesh and the rules are "
+            r"set per thread .* Enter use_sharding\(mesh, rules\) in this thread too, or pass "
+            r"mesh=",
+        ):
+            found["constrain"] = jax.jit(lambda x: constrain(x, ("batch", "hidden_state")))(x)
+        with pytest.warns(ShardingCorrectionWarning, match=r"with_sharding_constraint: no mesh"):
+            found["wsc"] = with_sharding_constraint(x, P("fsdp"))
+        with pytest.raises(ShardingResolutionError, match=r"no mesh is set in this thread.*strict"):
+            constrain(x, ("batch", "hidden_state"), strict=True)
+
+    with use_sharding(mesh):
+        assert _run_threads(step) == {}
+    assert found["constrain"].sharding.is_fully_replicated
+    assert found["wsc"].sharding.is_fully_replicated
+    # With use_sharding open nowhere, no mesh means a single device, as in Flax: no warning.
+    assert _run_threads(lambda: constrain(x, ("batch", "hidden_state"))) == {}
+
+
+def test_a_thread_entering_the_same_object_gets_the_mesh_and_rules(devices):
+    mesh, x = _mesh("explicit"), jnp.arange(32.0).reshape(8, 4)
+    context = use_sharding(mesh, RULES)
+    worker_inside, main_checked, found = threading.Barrier(2), threading.Barrier(2), {}
+
+    def step():
+        with context:
+            worker_inside.wait()
+            main_checked.wait()  # the main thread checked its own entry meanwhile
+            found["y"] = jax.jit(lambda x: constrain(x * 2, ("batch", "hidden_state")))(x)
+
+    with context:
+        thread = threading.Thread(target=lambda: _run_threads(step) or found.setdefault("ok", 1))
+        thread.start()
+        worker_inside.wait()
+        found["main"] = (current_mesh(), _current_rules())
+        main_checked.wait()
+        thread.join(timeout=120)
+        found["main after"] = (current_mesh(), _current_rules())
+    assert found["ok"] == 1
+    assert found["main"] == found["main after"] == (mesh, as_logical_rules(RULES))
+    assert found["y"].sharding.spec == P("fsdp", "tp")
+    np.testing.assert_array_equal(np.asarray(found["y"]), np.asarray(x) * 2)
+    with pytest.raises(NoMeshError):
+        current_mesh()
+
+
+def test_exiting_in_a_thread_that_did_not_enter_is_refused(devices):
+    context = use_sharding(_mesh())
+    with context:
+        failures = _run_threads(lambda: context.__exit__(None, None, None))
+        assert current_mesh().shape == _mesh().shape  # the main thread's entry is untouched
+    assert isinstance(failures[0], EscaleError)
+    assert "use_sharding: this context is not entered in this thread ('worker-0')" in str(
+        failures[0]
+    )
