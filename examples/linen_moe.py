@@ -62,9 +62,7 @@ class Moe(nn.Module):
             router,
             experts,
             top_k=c.top_k,
-            strategy=c.strategy,
-            capacity_factor=c.capacity_factor,
-            exchange=c.exchange,
+            **c.dispatch(),
         )
         out = routed.output
         if c.shared_experts:

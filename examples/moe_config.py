@@ -41,6 +41,12 @@ class Config:
     exchange: moe.Exchange = "all_to_all"
     aux_loss_weight: float = 0.01
 
+    def dispatch(self) -> dict[str, Any]:
+        """``moe_mlp``'s strategy with its own option (it refuses the other strategy's)."""
+        if self.strategy == "capacity":
+            return {"strategy": "capacity", "capacity_factor": self.capacity_factor}
+        return {"strategy": self.strategy, "exchange": self.exchange}
+
 
 # Mixtral 8x7B: 8 experts of 14,336, two per token, grouped-query attention with 8 KV heads.
 MIXTRAL_8X7B = Config(

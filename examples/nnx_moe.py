@@ -77,9 +77,7 @@ class Moe(nnx.Module):
             self.router[...],
             moe.GatedExperts(self.wi_gate[...], self.wi_up[...], self.wo[...]),
             top_k=c.top_k,
-            strategy=c.strategy,
-            capacity_factor=c.capacity_factor,
-            exchange=c.exchange,
+            **c.dispatch(),
         )
         out = routed.output if self.shared is None else routed.output + self.shared(x)
         return out, routed.aux_loss, routed.dropped

@@ -24,7 +24,8 @@ __all__ = ["Exchange", "dropless_dispatch"]
 Exchange = Literal["all_to_all", "ragged_all_to_all"]
 """How tokens cross the expert axis: a sorted, padded ``jax.lax.all_to_all`` that runs on
 every backend, or ``jax.lax.ragged_all_to_all``, which sends only the rows it has (XLA's TPU
-and GPU backends run it; XLA:CPU compiles it but cannot run it)."""
+and GPU backends run it; XLA:CPU cannot, so :func:`~flax_escale.moe.moe_mlp` refuses it on a
+mesh of CPU devices)."""
 
 _TOKENS = ("batch", "sequence", None)
 
@@ -47,6 +48,7 @@ def dropless_dispatch(
     exchange: Exchange,
     mesh: Mesh | AbstractMesh | None,
     rules: RulesLike,
+    strict: bool,
 ) -> jax.Array:
     """Computes every token's experts, none dropped, moving tokens rather than weights.
 
@@ -56,7 +58,13 @@ def dropless_dispatch(
     back the same way. The body is a :func:`~flax_escale.sharding.logical_shard_map`, so the
     same code runs on any mesh: tokens are split as ``(batch, sequence)`` resolve, experts as
     ``expert`` does, and their intermediate dimension's mesh axes (``tp``) are summed over.
-    Without a mesh it is the same computation on one device.
+    Without a mesh it is the same computation on one device. ``strict`` makes what the
+    body's specs cannot apply an error, as :func:`~flax_escale.constrain`'s does.
+
+    Raises:
+        EscaleError: For ``exchange="ragged_all_to_all"`` across the devices of a CPU mesh,
+            which XLA:CPU cannot run; for experts and tokens that share only some mesh axes; for
+            a batch the devices of an expert group cannot share equally.
     """
     if mesh is None:
         try:
@@ -75,6 +83,14 @@ def dropless_dispatch(
             f"dropless dispatch: the experts are split over {expert_axes} and the tokens over "
             f"{token_axes}, which share some of those mesh axes but not all; map 'batch' to "
             "all of the expert axes (PartitionAxis(ep_as_fsdp=True)) or to none of them."
+        )
+    if exchange == "ragged_all_to_all" and expert_axes and _platform(mesh) == "cpu":
+        raise EscaleError(
+            f"dropless dispatch: exchange='ragged_all_to_all' would cross the experts' mesh "
+            f"axes {expert_axes} on CPU devices, and XLA:CPU cannot run a ragged-all-to-all; "
+            "on CPU pass exchange='all_to_all' (the padded exchange, the same results), or "
+            "compile for a TPU or GPU mesh (flax_escale.mesh.Target.named('v5p-16').mesh(...) "
+            "compiles for a TPU slice from any machine)."
         )
     # Inside the body each device holds whole rows of its experts (the hidden dimension is
     # gathered, as FSDP gathers any weight before its use); the intermediate dimension stays
@@ -107,8 +123,16 @@ def dropless_dispatch(
         out_axes=out_axes,
         mesh=mesh,
         rules=frozen,
+        strict=strict,
     )
     return mapped(x, routing.experts, routing.weights, experts)
+
+
+def _platform(mesh: Mesh | AbstractMesh) -> str | None:
+    """The platform of the mesh's devices; ``None`` for an abstract mesh that names none."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None)
 
 
 def _transposed(spec: PartitionSpec) -> PartitionSpec:

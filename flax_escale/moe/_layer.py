@@ -10,10 +10,11 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale import _checks as check
-from flax_escale.errors import EscaleError
+from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.moe._capacity import capacity_dispatch
 from flax_escale.moe._dropless import Exchange, dropless_dispatch
-from flax_escale.moe._experts import GatedExperts
+from flax_escale.moe._experts import GatedExperts, checked_activation
+from flax_escale.moe._layout import expert_rules
 from flax_escale.moe._routing import route_top_k
 from flax_escale.resolve import RulesLike
 from flax_escale.sharding import constrain
@@ -50,11 +51,12 @@ def moe_mlp(
     *,
     top_k: int,
     strategy: Strategy = "capacity",
-    capacity_factor: float = 1.25,
-    exchange: Exchange = "all_to_all",
+    capacity_factor: float | None = None,
+    exchange: Exchange | None = None,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
     mesh: Mesh | AbstractMesh | None = None,
     rules: RulesLike = None,
+    strict: bool = False,
 ) -> MoeOutput:
     """Each token through its ``top_k`` experts, sharded by the logical rules.
 
@@ -71,7 +73,20 @@ def moe_mlp(
       grouped matmuls (``jax.lax.ragged_dot``); nothing is dropped and no slot is computed in
       vain. ``exchange`` picks the collective: ``"all_to_all"`` (padded to the worst case of
       every row going to one device: ``ep`` times the bytes, runs everywhere) or
-      ``"ragged_all_to_all"`` (only the rows sent; TPU and GPU).
+      ``"ragged_all_to_all"`` (only the rows sent; TPU and GPU: refused on a mesh of CPU
+      devices, which cannot run it).
+
+    ``capacity_factor`` belongs to the capacity strategy and ``exchange`` to the dropless one:
+    either given with the other strategy is refused rather than ignored (``None``, the default,
+    is each one's default: 1.25 and ``"all_to_all"``).
+
+    When the rules cannot split the experts (their number does not divide ``ep``, say), every
+    device computes every expert: that warns with a
+    :class:`~flax_escale.ShardingCorrectionWarning` naming ``experts.wi_gate``, or with
+    ``strict=True`` raises, for both strategies alike.
+
+    A batch of no tokens gives an empty output, an ``aux_loss`` of 0 (nothing to balance) and
+    finite gradients.
 
     Args:
         x: ``(batch, sequence, hidden)`` activations.
@@ -79,20 +94,29 @@ def moe_mlp(
         experts: The experts' kernels.
         top_k: Experts per token.
         strategy: ``"capacity"`` or ``"dropless"``.
-        capacity_factor: Slots per expert, as a multiple of an even share (``"capacity"``).
-        exchange: ``"all_to_all"`` or ``"ragged_all_to_all"`` (``"dropless"``).
-        activation: The gate's activation (``silu``: SwiGLU).
+        capacity_factor: Slots per expert, as a multiple of an even share (``"capacity"``
+            only; ``None``: 1.25).
+        exchange: ``"all_to_all"`` or ``"ragged_all_to_all"`` (``"dropless"`` only; ``None``:
+            ``"all_to_all"``).
+        activation: The gate's activation, a function of one array (``jax.nn.silu``: SwiGLU;
+            ``jax.nn.gelu``: GeGLU). A name such as ``"silu"`` is refused: pass the function.
         mesh: The mesh; defaults to the current one (none: one device).
         rules: The rules; defaults to Flax's rules context, then to ``PartitionAxis()``.
+        strict: Raise :class:`~flax_escale.ShardingResolutionError` where the rules cannot
+            apply as written (experts that do not split, an activation's dimension that does
+            not divide its mesh axes) instead of warning.
 
     Returns:
         The :class:`MoeOutput`.
 
     Raises:
-        EscaleError: For an unknown strategy or exchange, a capacity factor that is not
-            above 0, or shapes that do not fit together (named in the message).
-        EscaleTypeError: If ``experts`` is not a :class:`GatedExperts`, or
-            ``capacity_factor`` not a number.
+        EscaleError: For an unknown strategy or exchange, an option of the other strategy, a
+            capacity factor that is not above 0, shapes that do not fit together (named in the
+            message), or ``exchange="ragged_all_to_all"`` over the experts' axes of a CPU mesh.
+        EscaleTypeError: If ``x``, ``router_kernel`` or a kernel is not an array, ``experts``
+            not a :class:`GatedExperts`, ``capacity_factor`` not a number, ``activation`` not a
+            function, or ``strict`` not a bool.
+        ShardingResolutionError: With ``strict``, for what the rules cannot apply.
 
     Example:
         >>> import jax
@@ -108,43 +132,96 @@ def moe_mlp(
         ...                                                  atol=1e-5))
         (0, True)
     """
-    _check(x, router_kernel, experts, strategy, capacity_factor, exchange)
-    x = constrain(x, _ACTIVATION, mesh=mesh, rules=rules)
+    options = _options(strategy, capacity_factor, exchange, activation, mesh, strict)
+    _check_shapes(x, router_kernel, experts)
+    rules = expert_rules(experts, options.mesh, rules, strict=options.strict)
+    x = constrain(x, _ACTIVATION, mesh=options.mesh, rules=rules, strict=options.strict)
     logits = jnp.einsum("bsh,he->bse", x, router_kernel)
     routing = route_top_k(logits, top_k)
-    if strategy == "capacity":
+    if options.strategy == "capacity":
         out, dropped = capacity_dispatch(
             x,
             routing,
             experts,
-            activation=activation,
-            capacity_factor=capacity_factor,
-            mesh=mesh,
+            activation=options.activation,
+            capacity_factor=options.capacity_factor,
+            mesh=options.mesh,
             rules=rules,
+            strict=options.strict,
         )
     else:
         out = dropless_dispatch(
-            x, routing, experts, activation=activation, exchange=exchange, mesh=mesh, rules=rules
+            x,
+            routing,
+            experts,
+            activation=options.activation,
+            exchange=options.exchange,
+            mesh=options.mesh,
+            rules=rules,
+            strict=options.strict,
         )
         dropped = jnp.zeros((), jnp.int32)
-    out = constrain(out, _ACTIVATION, mesh=mesh, rules=rules)
+    out = constrain(out, _ACTIVATION, mesh=options.mesh, rules=rules, strict=options.strict)
     return MoeOutput(out, routing.aux_loss, dropped.astype(jnp.int32))
 
 
-def _check(
-    x: jax.Array,
-    router_kernel: jax.Array,
-    experts: GatedExperts,
+class _Options(NamedTuple):
+    """:func:`moe_mlp`'s options, checked once, with each strategy's defaults filled in."""
+
+    strategy: Strategy
+    capacity_factor: float
+    exchange: Exchange
+    activation: Callable[[jax.Array], jax.Array]
+    mesh: Mesh | AbstractMesh | None
+    strict: bool
+
+
+def _options(
     strategy: object,
-    capacity_factor: float,
+    capacity_factor: object,
     exchange: object,
-) -> None:
+    activation: object,
+    mesh: object,
+    strict: object,
+) -> _Options:
     if strategy not in STRATEGIES:
         raise EscaleError(f"moe_mlp: strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    # An option of the other strategy would do nothing: say so rather than ignore it.
+    if strategy == "capacity" and exchange is not None:
+        raise EscaleError(
+            f"moe_mlp: exchange={exchange!r} is an option of strategy='dropless', and the "
+            "capacity strategy has no exchange to choose (XLA moves its dispatched tokens); "
+            "drop exchange=, or pass strategy='dropless'."
+        )
+    if strategy == "dropless" and capacity_factor is not None:
+        raise EscaleError(
+            f"moe_mlp: capacity_factor={capacity_factor!r} is an option of "
+            "strategy='capacity', and the dropless strategy has no capacity (it drops no "
+            "token); drop capacity_factor=, or pass strategy='capacity'."
+        )
+    exchange = "all_to_all" if exchange is None else exchange
     if exchange not in _EXCHANGES:
         raise EscaleError(f"moe_mlp: exchange must be one of {_EXCHANGES}, got {exchange!r}.")
-    check.positive_number(capacity_factor, "moe_mlp: capacity_factor")
+    factor = 1.25 if capacity_factor is None else capacity_factor
+    return _Options(
+        strategy=strategy,
+        capacity_factor=check.positive_number(factor, "moe_mlp: capacity_factor"),
+        exchange=exchange,
+        activation=checked_activation(activation, "moe_mlp: activation"),
+        mesh=check.optional_mesh(mesh, "moe_mlp: mesh"),
+        strict=check.flag(strict, "moe_mlp: strict"),
+    )
+
+
+def _check_shapes(x: jax.Array, router_kernel: jax.Array, experts: GatedExperts) -> None:
     check.instance(experts, GatedExperts, "experts", "GatedExperts(wi_gate, wi_up, wo)")
+    kernels = [(f"experts.{name}", kernel) for name, kernel in experts._asdict().items()]
+    for name, value in [("x", x), ("router_kernel", router_kernel), *kernels]:
+        if not isinstance(getattr(value, "shape", None), tuple) or not hasattr(value, "dtype"):
+            raise EscaleTypeError(
+                f"moe_mlp: {name} must be an array, got {check.describe(value)}; pass a "
+                "jax.Array (jnp.asarray(...) makes one)."
+            )
     if jnp.ndim(x) != 3 or jnp.ndim(experts.wi_gate) != 3:
         raise EscaleError(
             f"moe_mlp: x must be (batch, sequence, hidden) and experts.wi_gate (experts, "

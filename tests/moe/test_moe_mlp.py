@@ -7,6 +7,7 @@ assignments are seated per sequence in GShard's order (every first choice in tok
 every second choice), and those past an expert's capacity contribute nothing.
 """
 
+import functools
 import math
 import re
 
@@ -107,6 +108,13 @@ def inputs():
     return _inputs()
 
 
+def _roomy(strategy, factor):
+    """``moe_mlp``'s options for ``strategy``, with a capacity ``factor`` where it has one."""
+    if strategy == "capacity":
+        return {"strategy": strategy, "capacity_factor": factor}
+    return {"strategy": strategy}
+
+
 # --- one device ---------------------------------------------------------------------------------
 
 
@@ -132,9 +140,7 @@ def test_expert_capacity(group_size, num_experts, top_k, factor, capacity):
 def test_both_strategies_equal_the_dense_reference(inputs, strategy, top_k):
     x, router, experts = inputs
     # A factor of E / k gives every expert room for every token of a sequence.
-    got = _jitted(top_k=top_k, strategy=strategy, capacity_factor=EXPERTS / top_k)(
-        x, router, experts
-    )
+    got = _jitted(top_k=top_k, **_roomy(strategy, EXPERTS / top_k))(x, router, experts)
     assert isinstance(got, MoeOutput)
     want, dropped = reference(x, router, experts, top_k)
     assert dropped == 0
@@ -151,10 +157,7 @@ def test_the_strategies_agree_under_jit(inputs):
 
     @jax.jit
     def both(x, router, experts):
-        return [
-            moe_mlp(x, router, experts, top_k=2, strategy=s, capacity_factor=8.0)
-            for s in STRATEGIES
-        ]
+        return [moe_mlp(x, router, experts, top_k=2, **_roomy(s, 8.0)) for s in STRATEGIES]
 
     capacity, dropless = both(x, router, experts)
     np.testing.assert_allclose(capacity.output, dropless.output, atol=1e-5, rtol=1e-5)
@@ -223,11 +226,12 @@ MESH_DIMS = {
 }
 RULES = {"ep_as_fsdp": fe.PartitionAxis(ep_as_fsdp=True), "default": fe.PartitionAxis()}
 # Sharded, the capacity strategy runs with a factor that drops some assignments, so that the
-# count and the dropped tokens' missing share are compared as well.
-SHARDED_FACTOR = {"capacity": 1.0, "dropless": 1.25}
+# count and the dropped tokens' missing share are compared as well; the dropless one its
+# exchange.
+SHARDED_OPTIONS = {"capacity": {"capacity_factor": 1.0}, "dropless": {"exchange": "all_to_all"}}
 
 
-def _step(strategy, rules=None, exchange="all_to_all"):
+def _step(strategy, rules=None):
     """The output, aux loss, dropped count and gradients of a scalar loss, as one program."""
     cotangent = np.random.default_rng(7).standard_normal((BATCH, SEQUENCE, HIDDEN))
     cotangent = jnp.asarray(cotangent, jnp.float32)
@@ -239,9 +243,8 @@ def _step(strategy, rules=None, exchange="all_to_all"):
             experts,
             top_k=TOP_K,
             strategy=strategy,
-            capacity_factor=SHARDED_FACTOR[strategy],
-            exchange=exchange,
             rules=rules,
+            **SHARDED_OPTIONS[strategy],
         )
         return jnp.sum(out.output * cotangent) + 0.1 * out.aux_loss, out
 
@@ -371,7 +374,7 @@ def test_dropless_all_to_all_bytes_are_the_analytic_count(inputs, with_gradients
             r"moe_mlp: strategy must be one of \('capacity', 'dropless'\), got 'sparse'\.",
         ),
         (
-            {"exchange": "ppermute"},
+            {"strategy": "dropless", "exchange": "ppermute"},
             fe.EscaleError,
             r"moe_mlp: exchange must be one of \('all_to_all', 'ragged_all_to_all'\), got "
             r"'ppermute'\.",
@@ -496,3 +499,288 @@ def test_expert_axes_are_the_documented_names():
         "wo": ("expert", "mlp_intermediate", "hidden_state"),
     }
     assert STRATEGIES == ("capacity", "dropless")
+
+
+# --- an empty batch -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, SEQUENCE, HIDDEN), (BATCH, 0, HIDDEN)])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_empty_batch_has_a_zero_aux_loss_and_finite_gradients(inputs, strategy, shape):
+    # The load-balancing loss of no tokens was 0 / 0, a NaN that poisoned the loss it joins.
+    _, router, experts = inputs
+    x = jnp.zeros(shape, jnp.float32)
+
+    def loss(x, router, experts):
+        out = moe_mlp(x, router, experts, top_k=TOP_K, strategy=strategy)
+        return jnp.sum(out.output**2) + 0.1 * out.aux_loss, out
+
+    (value, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        x, router, experts
+    )
+    assert out.output.shape == shape
+    assert float(out.aux_loss) == 0.0
+    assert int(out.dropped) == 0
+    assert float(value) == 0.0
+    for grad in jax.tree.leaves(grads):
+        assert (np.asarray(grad) == 0).all()  # finite: nothing to learn from no tokens
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_empty_batch_on_a_mesh_has_a_zero_aux_loss(inputs, strategy):
+    _, router, experts = inputs
+    x = jnp.zeros((0, SEQUENCE, HIDDEN), jnp.float32)
+    with jax.set_mesh(fe.create_mesh(MESH_DIMS["fsdp2_ep4"])):
+        out = _jitted(top_k=TOP_K, strategy=strategy, rules=RULES["ep_as_fsdp"])(x, router, experts)
+    assert out.output.shape == x.shape
+    assert float(out.aux_loss) == 0.0
+
+
+# --- experts that the rules cannot split --------------------------------------------------------
+
+SIX_EXPERTS = (
+    r"parameter 'experts\.wi_gate': logical axes \('expert', 'hidden_state', "
+    r"'mlp_intermediate'\) with shape \(6, 32, 64\) on mesh \{'dp': 2, 'fsdp': 1, 'ep': 4, "
+    r"'tp': 1, 'sp': 1\} .*dimension 0 \(expert\): size 6 is not divisible by the mesh axes of "
+    r"any of its rules \(\('ep',\) of size 4\); dropped \('ep',\)\. Make the size a multiple"
+)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_experts_that_do_not_divide_ep_warn_once_for_both_strategies(strategy):
+    # Six experts on ep=4: every device computes all six. The dropless strategy said nothing,
+    # the capacity one warned three times about its dispatched arrays.
+    x, router, experts = _inputs(experts=6)
+    options = {"top_k": TOP_K, **_roomy(strategy, 3.0)}
+    with jax.set_mesh(fe.create_mesh(MESH_DIMS["dp2_ep4"])):
+        with pytest.warns(fe.ShardingCorrectionWarning, match=rf"(?s){SIX_EXPERTS}") as caught:
+            got = _jitted(**options)(x, router, experts)
+        with pytest.raises(fe.ShardingResolutionError, match=rf"(?s){SIX_EXPERTS}"):
+            _jitted(strict=True, **options)(x, router, experts)
+    assert len(caught) == 1
+    want, dropped = reference(x, router, experts, TOP_K)
+    assert dropped == int(got.dropped) == 0
+    np.testing.assert_allclose(np.asarray(got.output), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_experts_replicated_on_purpose_do_not_warn(strategy):
+    x, router, experts = _inputs(experts=6)
+    on_purpose = (("expert", None), *fe.resolve.as_logical_rules(fe.PartitionAxis()))
+    with jax.set_mesh(fe.create_mesh(MESH_DIMS["dp2_ep4"])):
+        got = _jitted(top_k=TOP_K, strict=True, rules=on_purpose, **_roomy(strategy, 3.0))(
+            x, router, experts
+        )
+    np.testing.assert_allclose(
+        np.asarray(got.output), reference(x, router, experts, TOP_K)[0], atol=1e-5, rtol=1e-5
+    )
+
+
+# --- options of the other strategy --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "ragged_all_to_all"])
+def test_an_exchange_with_the_capacity_strategy_is_refused(inputs, exchange):
+    with pytest.raises(
+        fe.EscaleError,
+        match=rf"moe_mlp: exchange='{exchange}' is an option of strategy='dropless', and the "
+        r"capacity strategy has no exchange to choose .*; drop exchange=, or pass "
+        r"strategy='dropless'\.",
+    ):
+        moe_mlp(*inputs, top_k=2, exchange=exchange)
+
+
+@pytest.mark.parametrize("factor", [1.25, 2.0])
+def test_a_capacity_factor_with_the_dropless_strategy_is_refused(inputs, factor):
+    with pytest.raises(
+        fe.EscaleError,
+        match=rf"moe_mlp: capacity_factor={factor} is an option of strategy='capacity', and "
+        r"the dropless strategy has no capacity \(it drops no token\); drop capacity_factor=, "
+        r"or pass strategy='capacity'\.",
+    ):
+        moe_mlp(*inputs, top_k=2, strategy="dropless", capacity_factor=factor)
+
+
+def test_none_is_each_strategys_default(inputs):
+    # A configuration can pass both options as None, whatever its strategy.
+    defaults = {"capacity": {"capacity_factor": 1.25}, "dropless": {"exchange": "all_to_all"}}
+    for strategy, given in defaults.items():
+        want = _jitted(top_k=2, strategy=strategy, **given)(*inputs)
+        got = _jitted(top_k=2, strategy=strategy, capacity_factor=None, exchange=None)(*inputs)
+        np.testing.assert_array_equal(np.asarray(got.output), np.asarray(want.output))
+        assert int(got.dropped) == int(want.dropped)
+
+
+# --- expert_capacity's arguments ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        (
+            (-4, 8, 2, 1.0),
+            fe.EscaleError,
+            r"expert_capacity: group_size must be an int of at least 0, got -4\.",
+        ),
+        ((16, 8, 0, 1.0), fe.EscaleError, r"expert_capacity: top_k must be a positive int, got 0"),
+        ((16, 0, 1, 1.0), fe.EscaleError, r"expert_capacity: num_experts must be a positive int"),
+        (
+            (16, 8, 9, 1.0),
+            fe.EscaleError,
+            r"expert_capacity: top_k must be at most num_experts \(8\), got 9: a token goes to "
+            r"top_k different experts; pass a top_k from 1 to num_experts\.",
+        ),
+        (
+            (16, 8, 2, 0.0),
+            fe.EscaleError,
+            r"expert_capacity: capacity_factor must be a finite number above 0, got 0\.0",
+        ),
+        (
+            (16, 8, 2, float("nan")),
+            fe.EscaleError,
+            r"expert_capacity: capacity_factor must be a finite number above 0, got nan",
+        ),
+        (
+            (16.0, 8, 2, 1.0),
+            fe.EscaleTypeError,
+            r"expert_capacity: group_size must be an int of at least 0, got float 16\.0; pass "
+            r"the int 16\.",
+        ),
+        ((16, 8, True, 1.0), fe.EscaleTypeError, r"expert_capacity: top_k must be a positive"),
+        (
+            (16, 8, 2, "1.25"),
+            fe.EscaleTypeError,
+            r"expert_capacity: capacity_factor must be a number above 0, got str '1\.25'",
+        ),
+    ],
+)
+def test_expert_capacity_checks_every_argument(arguments, error, match):
+    with pytest.raises(error, match=match):
+        expert_capacity(*arguments)
+
+
+def test_a_group_of_no_tokens_has_one_slot():
+    assert expert_capacity(0, 8, 2, 1.25) == 1
+
+
+# --- the activation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_activation_by_name_is_refused_with_the_function_to_pass(inputs, strategy):
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=r"moe_mlp: activation must be a function, got the string 'silu'; pass the "
+        r"function itself, e.g\. jax\.nn\.silu, not its name\.",
+    ):
+        moe_mlp(*inputs, top_k=2, strategy=strategy, activation="silu")
+
+
+@pytest.mark.parametrize(
+    ("activation", "error", "match"),
+    [
+        ("gelu", fe.EscaleTypeError, r"got the string 'gelu'; pass the function itself, e\.g\. "),
+        ("swiglu", fe.EscaleTypeError, r"got the string 'swiglu'; pass a function of one array"),
+        (None, fe.EscaleTypeError, r"got None; pass a function of one array, e\.g\. jax\.nn\.silu"),
+        (
+            lambda a, b: a,
+            fe.EscaleTypeError,
+            r"moe_mlp: activation: <lambda>\(a, b\) cannot be called as activation\(x\)",
+        ),
+    ],
+)
+def test_an_activation_that_is_not_a_function_of_one_array_is_refused(
+    inputs, activation, error, match
+):
+    with pytest.raises(error, match=match):
+        moe_mlp(*inputs, top_k=2, activation=activation)
+
+
+def test_another_activation_is_used_by_both_strategies(inputs):
+    x, router, experts = inputs
+    got = {
+        s: _jitted(top_k=2, activation=jax.nn.gelu, **_roomy(s, 4.0))(x, router, experts)
+        for s in STRATEGIES
+    }
+    silu = _jitted(top_k=2, strategy="dropless")(x, router, experts)
+    np.testing.assert_allclose(got["capacity"].output, got["dropless"].output, atol=1e-5)
+    assert not np.allclose(got["dropless"].output, silu.output, atol=1e-3)
+
+
+def test_the_experts_methods_check_their_activation(inputs):
+    _, _, experts = inputs
+    with pytest.raises(fe.EscaleTypeError, match=r"GatedExperts\.grouped: activation must be"):
+        experts.grouped(jnp.zeros((4, HIDDEN)), jnp.array([4] + [0] * 7), "silu")
+    with pytest.raises(fe.EscaleTypeError, match=r"GatedExperts\.dense: activation must be"):
+        experts.dense(jnp.zeros((EXPERTS, 1, 2, HIDDEN)), "silu")
+
+
+# --- the ragged exchange on CPU -----------------------------------------------------------------
+
+RAGGED_ON_CPU = (
+    r"dropless dispatch: exchange='ragged_all_to_all' would cross the experts' mesh axes "
+    r"\('ep',\) on CPU devices, and XLA:CPU cannot run a ragged-all-to-all; on CPU pass "
+    r"exchange='all_to_all' \(the padded exchange, the same results\), or compile for a TPU or "
+    r"GPU mesh"
+)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("given", ["context", "argument"])
+def test_the_ragged_exchange_is_refused_where_cpu_devices_would_run_it(inputs, given, jitted):
+    # XLA:CPU failed at run time with UNIMPLEMENTED: HLO opcode `ragged-all-to-all`.
+    mesh = fe.create_mesh(MESH_DIMS["ep8"])
+    options = {"top_k": 2, "strategy": "dropless", "exchange": "ragged_all_to_all"}
+    if given == "argument":
+        options["mesh"] = mesh
+    run = _jitted(**options) if jitted else functools.partial(moe_mlp, **options)
+    with jax.set_mesh(mesh), pytest.raises(fe.EscaleError, match=RAGGED_ON_CPU):
+        run(*inputs)
+
+
+def test_the_ragged_exchange_runs_where_nothing_is_exchanged(inputs):
+    # One device (no mesh), or a mesh whose experts are not split: no ragged-all-to-all runs.
+    options = {"top_k": 2, "strategy": "dropless"}
+    want = _jitted(**options)(*inputs)
+    got = _jitted(exchange="ragged_all_to_all", **options)(*inputs)
+    np.testing.assert_array_equal(np.asarray(got.output), np.asarray(want.output))
+    with jax.set_mesh(fe.create_mesh((1, 8, 1, 1, 1))):
+        on_fsdp = _jitted(exchange="ragged_all_to_all", **options)(*inputs)
+    np.testing.assert_allclose(np.asarray(on_fsdp.output), want.output, atol=1e-5, rtol=1e-5)
+
+
+# --- arguments of the wrong kind ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "error", "match"),
+    [
+        ("x", None, fe.EscaleTypeError, r"moe_mlp: x must be an array, got None; pass a jax"),
+        ("x", [[[1.0]]], fe.EscaleTypeError, r"moe_mlp: x must be an array, got list"),
+        ("router_kernel", "router", fe.EscaleTypeError, r"moe_mlp: router_kernel must be an"),
+        ("wo", None, fe.EscaleTypeError, r"moe_mlp: experts\.wo must be an array, got None"),
+        ("mesh", "ep:8", fe.EscaleTypeError, r"moe_mlp: mesh must be a jax\.sharding\.Mesh"),
+        ("strict", "yes", fe.EscaleTypeError, r"moe_mlp: strict must be True or False"),
+        ("rules", "ep", fe.EscaleTypeError, r"rules must be a sequence of \(logical name, mesh"),
+        ("top_k", None, fe.EscaleTypeError, r"top_k must be an int from 1 to the number of"),
+        ("top_k", 0, fe.EscaleError, r"top_k must be an int from 1 to the number of experts"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_named(inputs, argument, value, error, match):
+    x, router, experts = inputs
+    args = {"x": x, "router_kernel": router, "experts": experts, "top_k": 2}
+    if argument in GatedExperts._fields:
+        args["experts"] = experts._replace(**{argument: value})
+    else:
+        args[argument] = value
+    with pytest.raises(error, match=match):
+        moe_mlp(**args)
+
+
+def test_num_experts_of_experts_without_kernels_is_named():
+    with pytest.raises(
+        fe.EscaleTypeError,
+        match=r"GatedExperts\.wi_gate must be an \(expert, hidden_state, mlp_intermediate\) "
+        r"array, got None",
+    ):
+        _ = GatedExperts(None, None, None).num_experts

@@ -108,14 +108,70 @@ def test_aux_loss_on_random_logits_is_the_formula():
 
 
 @pytest.mark.parametrize(
-    ("top_k", "shown"), [(0, "0"), (5, "5"), (-1, "-1"), (True, "True"), (2.0, "2.0"), ("2", "'2'")]
+    ("top_k", "shown", "error"),
+    [
+        (0, "0", fe.EscaleError),
+        (5, "5", fe.EscaleError),
+        (-1, "-1", fe.EscaleError),
+        (True, "True", fe.EscaleTypeError),
+        (2.0, "2.0", fe.EscaleTypeError),
+        ("2", "'2'", fe.EscaleTypeError),
+        (None, "None", fe.EscaleTypeError),
+    ],
 )
-def test_top_k_must_be_an_int_from_one_to_the_number_of_experts(top_k, shown):
+def test_top_k_must_be_an_int_from_one_to_the_number_of_experts(top_k, shown, error):
     with pytest.raises(
-        fe.EscaleError,
+        error,
         match=(
             r"route_top_k: top_k must be an int from 1 to the number of experts \(4, the last "
             rf"dimension of logits \(3, 4\)\), got {shown}\."
         ),
     ):
         route_top_k(jnp.zeros((3, 4)), top_k)
+
+
+def test_a_numpy_int_top_k_is_an_int():
+    logits = jnp.asarray(_random_logits((6, 4)))
+    assert (
+        route_top_k(logits, np.int64(2)).experts.tolist() == route_top_k(logits, 2).experts.tolist()
+    )
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (0, 0, 8)])
+def test_aux_loss_of_no_tokens_is_zero_with_finite_gradients(shape):
+    # The shares and mean probabilities of no tokens are 0 / 0: the loss was NaN.
+    logits = jnp.zeros(shape)
+    routing = route_top_k(logits, 2)
+    assert routing.experts.shape == routing.weights.shape == (*shape[:-1], 2)
+    assert routing.aux_loss.dtype == jnp.float32
+    assert float(routing.aux_loss) == 0.0
+    grad = jax.grad(lambda logits: route_top_k(logits, 2).aux_loss)(logits)
+    assert grad.shape == shape
+    # Through a router kernel, the gradient of the loss is a zero kernel, not NaN.
+    kernel_grad = jax.grad(lambda w: route_top_k(jnp.zeros((*shape[:-1], 3)) @ w, 2).aux_loss)(
+        jnp.ones((3, 8))
+    )
+    np.testing.assert_array_equal(np.asarray(kernel_grad), np.zeros((3, 8)))
+
+
+@pytest.mark.parametrize(
+    ("logits", "error", "match"),
+    [
+        (
+            [[0.0, 1.0]],
+            fe.EscaleTypeError,
+            r"route_top_k: logits must be an array \(\.\.\., num_experts\), got list "
+            r"\[\[0\.0, 1\.0\]\]; pass jnp\.asarray\(logits\)\.",
+        ),
+        (None, fe.EscaleTypeError, r"route_top_k: logits must be an array .*got None"),
+        (
+            jnp.float32(1.0),
+            fe.EscaleError,
+            r"route_top_k: logits must have a last dimension of one logit per expert, got the "
+            r"scalar .*; pass \(\.\.\., num_experts\) logits\.",
+        ),
+    ],
+)
+def test_logits_must_be_an_array_with_a_dimension_of_experts(logits, error, match):
+    with pytest.raises(error, match=match):
+        route_top_k(logits, 1)
