@@ -144,7 +144,8 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
 
     Raises:
         EscaleError: If ``spec`` names a mesh axis twice or one the mesh lacks.
-        EscaleTypeError: If ``spec`` is not a ``PartitionSpec`` or ``mesh`` not a mesh.
+        EscaleTypeError: If ``spec`` is not a ``PartitionSpec``, ``mesh`` not a mesh, or an
+            ``AbstractMesh`` where a concrete array must be placed (outside ``jax.jit``).
 
     Example:
         >>> import jax.numpy as jnp
@@ -157,6 +158,13 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     """
     mesh = check.mesh(mesh)
     spec = check.spec_on(mesh, spec, "spec")
+    if not isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
+        # An abstract mesh names no devices, so an array outside jit has nowhere to go.
+        raise EscaleTypeError(
+            f"mesh is an AbstractMesh {dict(mesh.shape)}, which has no devices to place the "
+            f"array of shape {tuple(x.shape)} on outside jax.jit; pass the concrete "
+            "jax.sharding.Mesh (create_mesh(...)), or constrain inside a jitted function."
+        )
     if isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
         current = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
         kept = _kept_where_unconstrained(spec, current)

@@ -68,7 +68,8 @@ def logical_shard_map(
             ``PartitionSpec`` names an axis the mesh lacks or twice, or does not divide its
             input; if an output left unsplit over a mesh axis varies over it.
         EscaleTypeError: If ``f`` is not callable, ``in_axes`` is not a sequence, an entry is
-            not a tuple of names, a flag is not a bool, or an argument is not an array.
+            not a tuple of names, a flag is not a bool, or an argument is not an array; at
+            the call, if ``mesh`` is an ``AbstractMesh`` and no mesh of its shape is set.
         ShardingResolutionError: At the call, if an entry names one logical name twice or more
             dimensions than its input has; with ``strict``, if a name's axes do not fit its
             dimension or a name has no rule.
@@ -101,6 +102,15 @@ def logical_shard_map(
     def mapped(*args: Any) -> Any:
         args = arrays_of(name, in_axes, args)
         on = mesh if mesh is not None else current_mesh()
+        if isinstance(on, AbstractMesh) and jax.sharding.get_abstract_mesh() != on:
+            # XLA finds no devices for a shard_map over a mesh that only names axes; it fails
+            # at run time in its own words, so say it before anything is traced.
+            raise EscaleTypeError(
+                f"logical_shard_map({name!r}): mesh is an AbstractMesh {dict(on.shape)}, which "
+                "names no devices, and no mesh of that shape is set around the call; pass the "
+                "concrete jax.sharding.Mesh (create_mesh(...)), or call inside "
+                "`with jax.set_mesh(mesh):` with the concrete mesh."
+            )
         axes = MapAxes(name, on, as_logical_rules(rules), strict)
         in_specs = axes.inputs(in_axes, args)
         out_specs = axes.outputs(out_axes)

@@ -348,6 +348,23 @@ CASES = [
         "parse_mesh_from_string",
         id="apply_spec-mesh-string",
     ),
+    # --- an AbstractMesh where a concrete array must be placed, outside jax.jit ---------------
+    case(
+        lambda: fe.constrain(X, ("batch", None), mesh=mesh5().abstract_mesh),
+        T,
+        "mesh",
+        "AbstractMesh",
+        r"pass the concrete jax.sharding.Mesh",
+        id="constrain-abstract-mesh-outside-jit",
+    ),
+    case(
+        lambda: fe.with_sharding_constraint(X, P("dp"), mesh=mesh_dp_tp().abstract_mesh),
+        T,
+        "mesh",
+        "AbstractMesh",
+        r"or constrain inside a jitted function",
+        id="with_sharding_constraint-abstract-mesh-outside-jit",
+    ),
     case(
         lambda: fes.spec_from_shape(8, mesh_dp_tp()),
         T,

@@ -600,3 +600,21 @@ def test_f_and_check_vma_are_checked(mesh):
         logical_shard_map(
             lambda x: x, in_axes=[("batch",)], out_axes=("batch",), mesh=mesh, check_vma="no"
         )
+
+
+def test_an_abstract_mesh_needs_its_concrete_mesh_set_around_the_call(mesh):
+    # XLA:CPU would fail at run time ("no registered implementation ... GlobalToLocalShape").
+    f = logical_shard_map(
+        lambda x: x * 2,
+        in_axes=[("batch", None)],
+        out_axes=("batch", None),
+        mesh=mesh.abstract_mesh,
+    )
+    x = jnp.arange(48.0).reshape(8, 6)
+    with pytest.raises(
+        fe.EscaleTypeError, match=r"mesh is an AbstractMesh .* no mesh of that shape is set"
+    ):
+        jax.jit(f)(x)
+    with jax.set_mesh(mesh):
+        out = jax.jit(f)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
