@@ -19,6 +19,9 @@ __all__ = ["DeclaringMixin", "Install", "declarations_version", "declare", "reco
 
 Install = Callable[[type, Mapping[str, Sequence[str | None]] | None], None]
 
+# Marks the __init_subclass__ a declaration installs, so that declaring a class twice wraps once.
+_INSTALLS = "__escale_installs__"
+
 
 def declare(
     cls: Any,
@@ -48,15 +51,25 @@ def declare(
         return cls
     declared = cls.__dict__.get("patterns") if patterns is None else patterns
     install(cls, declared)
-    if not issubclass(cls, mixin) and "__init_subclass__" not in cls.__dict__:
-        decorated = cls
-
-        def init_subclass(sub: type, **kwargs: Any) -> None:
-            super(decorated, sub).__init_subclass__(**kwargs)
-            install(sub, sub.__dict__.get("patterns"))
-
-        cls.__init_subclass__ = classmethod(init_subclass)
+    own = cls.__dict__.get("__init_subclass__")
+    if not issubclass(cls, mixin) and not hasattr(own, _INSTALLS):
+        cls.__init_subclass__ = _installing_subclasses(cls, own, install)
     return cls
+
+
+def _installing_subclasses(cls: type, own: Any, install: Install) -> classmethod:
+    # Subclasses of a decorated class are decorated too; a class's own __init_subclass__ (a
+    # classmethod in its __dict__) still runs first, and without one the parents' does.
+    def init_subclass(sub: type, **kwargs: Any) -> None:
+        if own is None:
+            super(cls, sub).__init_subclass__(**kwargs)
+        else:
+            own.__get__(None, sub)(**kwargs)
+        install(sub, sub.__dict__.get("patterns"))
+
+    wrapper = classmethod(init_subclass)
+    setattr(wrapper, _INSTALLS, True)
+    return wrapper
 
 
 _version = itertools.count()

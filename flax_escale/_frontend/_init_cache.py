@@ -11,18 +11,24 @@ The key is what determines the program: the front end's options (mesh, rules in 
 form, ``strict``, overrides, method, constructor or ``init`` arguments), the inputs' abstract
 values and shardings, and JAX's configuration. A model (a Linen module, an NNX class or
 callable) that hashes (Linen modules hash their fields) is compared by ``==``; one that does
-not is compared by identity, held weakly. Options compare by ``==`` as well, lists, dicts and
-unhashable dataclasses by their contents; a call with an option that cannot be compared that way
-(an array, say) is not cached. Declaring any class with ``sharded_module`` makes every kept
-program stale. As with ``jax.jit``'s static arguments, an object that hashes by identity and is
-changed between calls is not seen to change: :func:`clear_init_cache` forgets every program.
+not is compared by identity, held weakly. What the model's code reads besides its fields is in
+the key too: the class attributes of its classes (those outside Flax and this library) and the
+variables its methods, or the callable itself, close over (a model class defined in a function
+reads that function's variables), by value. Options compare by ``==`` as well, lists, dicts and
+unhashable dataclasses by their contents; a call with an option, a class attribute or a
+closed-over value that cannot be compared that way (an array, say) is not cached. Declaring any
+class with ``sharded_module`` makes every kept program stale. As with ``jax.jit``, a module's
+global variables are not part of the key, and an object that hashes by identity and is changed
+between calls is not seen to change: :func:`clear_init_cache` forgets every program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -213,7 +219,7 @@ def _key(model: Any, options: Any, inputs: Any) -> tuple[Hashable | None, bool]:
             (jax.typeof(x), x.sharding if isinstance(x, jax.Array) else None) for x in leaves
         )
         context = (jax_trace_context(), declarations_version())
-        key = (head, _freeze(options), treedef, avals, context)
+        key = (head, _definition(model), _freeze(options), treedef, avals, context)
         hash(key)
     except TypeError:
         return None, False
@@ -237,3 +243,61 @@ def _freeze(value: Any) -> Hashable:
         fields = dataclasses.fields(value)
         return (type(value), tuple((f.name, _freeze(getattr(value, f.name))) for f in fields))
     return (type(value), value)
+
+
+# Classes and functions of these packages are not the model's own code: their attributes and
+# closures (Flax's method wrappers, its lifted transforms' kept traces) are left out of the key.
+_LIBRARIES = frozenset({"flax", "flax_escale", "jax", "jaxlib", "builtins", "abc", "typing"})
+
+
+def _definition(model: Any) -> Hashable:
+    """What the model's code reads besides its fields: class attributes and closed-over values.
+
+    Raises:
+        TypeError: If one of them cannot be compared by value or identity (an array).
+    """
+    seen: set[int] = set()
+    if isinstance(model, (types.FunctionType, functools.partial)):
+        return _code(model, seen)
+    cls = model if isinstance(model, type) else type(model)
+    return tuple(
+        (klass, name, _code(value, seen))
+        for klass in cls.__mro__
+        if not _library(klass)
+        for name, value in sorted(vars(klass).items())
+        if not (name.startswith("__") and name.endswith("__")) or callable(value)
+    )
+
+
+def _code(value: Any, seen: set[int]) -> Hashable:
+    # A function by identity and by what it closes over (through the wrappers that
+    # functools.wraps made); anything else by _freeze.
+    if isinstance(value, (classmethod, staticmethod)):
+        return _code(value.__func__, seen)
+    if isinstance(value, property):
+        return tuple(_code(f, seen) for f in (value.fget, value.fset, value.fdel))
+    if isinstance(value, functools.partial):
+        return (_code(value.func, seen), _freeze(value.args), _freeze(value.keywords))
+    if not isinstance(value, types.FunctionType):
+        return value if isinstance(value, type) else _freeze(value)
+    if id(value) in seen:
+        return value
+    seen.add(id(value))
+    inner = getattr(value, "__wrapped__", None)
+    closed: tuple[Hashable, ...] = ()
+    if not _library(value):
+        closed = tuple(_cell(cell, seen) for cell in value.__closure__ or ())
+    return (value, closed, None if inner is None else _code(inner, seen))
+
+
+def _cell(cell: Any, seen: set[int]) -> Hashable:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # a variable not yet assigned
+        return _BY_IDENTITY
+    return _code(contents, seen)
+
+
+def _library(thing: Any) -> bool:
+    module = getattr(thing, "__module__", None) or ""
+    return module.partition(".")[0] in _LIBRARIES

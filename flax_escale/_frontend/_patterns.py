@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError, EscaleTypeError
 
-__all__ = ["AxesPatterns", "unused_pattern_note"]
+__all__ = ["AxesPatterns", "shown_paths", "unused_pattern_note"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +138,22 @@ def unused_pattern_note(owner: str, pattern: str, kept: Sequence[str], unmatched
         f"overrides={{{pattern!r}: logical_axes}} to init_sharded / plan_sharding; otherwise "
         "remove the pattern."
     )
+
+
+def shown_paths(paths: Iterable[str], limit: int = 6) -> str:
+    """The first ``limit`` of ``paths`` for a message, and how many there are in all.
+
+    Example:
+        >>> from flax_escale._frontend._patterns import shown_paths
+        >>> shown_paths(["a/kernel", "a/bias"])
+        'a/kernel, a/bias'
+        >>> shown_paths([f"layer_{i}/w" for i in range(8)], limit=2)
+        'layer_0/w, layer_1/w, ... (8 in all)'
+        >>> shown_paths([])
+        'none'
+    """
+    found = list(paths)
+    if not found:
+        return "none"
+    shown = ", ".join(found[:limit])
+    return shown + (f", ... ({len(found)} in all)" if len(found) > limit else "")

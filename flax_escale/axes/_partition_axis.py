@@ -73,11 +73,18 @@ def _decode_aliases(cls: _Class) -> _Class:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **_canonical_names(kwargs))
 
-    # The signature lists the aliases too, so that help() and introspection see them.
+    # The signature lists the aliases too, with their fields' defaults (None for the decode
+    # fields that default to unsharded, `...` for the derived ones), so that help() and
+    # introspection see them.
     signature = inspect.signature(init)
     aliases = [
-        inspect.Parameter(alias, inspect.Parameter.KEYWORD_ONLY, default=..., annotation=Any)
-        for alias in _DECODE_ALIASES
+        inspect.Parameter(
+            alias,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=signature.parameters[field].default,
+            annotation=Any,
+        )
+        for alias, field in _DECODE_ALIASES.items()
     ]
     __init__.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[*signature.parameters.values(), *aliases]

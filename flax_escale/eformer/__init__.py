@@ -4,8 +4,10 @@
 vocabulary lives here only: the core speaks JAX's and Flax's. A name is the core's own object
 where eformer's call means the same to it (``create_mesh``, ``with_sharding_constraint``,
 ``make_shard_and_gather_fns``, ...), and an adapter over the core where it does not:
-``PartitionAxis`` (the core's, with eformer's decode defaults: each ``decode_*`` field follows
-its training field), ``get_incontext_mesh(raise_error=)`` over
+``PartitionAxis`` (the core's, with eformer's decode defaults: ``decode_batch_axis``,
+``decode_head_axis``, ``decode_kv_head_axis`` and ``decode_key_sequence_axis`` follow their
+training fields, the query-sequence and attention-dimension ones are ``None``),
+``get_incontext_mesh(raise_error=)`` over
 :func:`~flax_escale.mesh.current_mesh` (an empty ``Mesh`` when there is none, as in eformer),
 ``match_partition_rules`` (its ``strict``; any leaf, not only arrays) over
 :func:`~flax_escale.sharding.specs_from_regex`,

@@ -18,7 +18,10 @@ Methods of other lengths are passed over. A spec has one entry per dimension.
 Two things eformer does are not done here, as each gives a spec JAX refuses: an axis is
 placed on a dimension only if it divides that dimension (eformer checks the pair against the
 product of the first two dimensions only, and places the second pass's pair unchecked), and a
-mesh axis is used at most once in a spec. A placement either rule forbids is passed over.
+mesh axis is used at most once in a spec. A placement either rule forbids is passed over. And
+one thing is done differently: a one-axis method whose axis has size 1 is passed over, since
+it splits nothing, where eformer spends the dimension on it (``dp`` on an ``fsdp=8`` mesh takes
+a 1,024-element vector's only dimension, and the ``fsdp`` method after it finds no room).
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ def place_methods(
         return PartitionSpec()
     layout = _Layout(tuple(shape), axis_sizes)
     floor = max(min_shard_size, math.prod(shape) // (2 * devices))
+    # A size-1 axis splits nothing: it would only take a dimension a real split could use.
+    methods = [m for m in methods if len(m) != 1 or axis_sizes[m[0]] > 1]
     for method in methods:
         if len(method) == 1:
             layout.first_fit(method[0], floor)

@@ -2,9 +2,11 @@
 
 The library's :class:`~flax_escale.PartitionAxis` keeps the batch unsharded while decoding
 (``generation_batch_axis=None``) and gives the decode heads and key sequence the mesh axes'
-own defaults. eformer derives each decode field from its training field instead, so that a
-decode step is laid out like a training step unless told otherwise. This class is the
-library's with only those defaults changed; everything that takes a ``PartitionAxis`` takes it.
+own defaults. eformer derives those decode fields (batch, heads, key/value heads, key
+sequence) from their training fields instead, so that a decode step is laid out like a
+training step unless told otherwise; its decode query sequence and attention dimensions
+default to ``None``, as the library's do. This class is the library's with only those defaults
+changed; everything that takes a ``PartitionAxis`` takes it.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class PartitionAxis(axes.PartitionAxis):
     Every ``decode_*`` field left unset takes its training field's value: ``decode_batch_axis``
     is ``batch_axis``'s (``('fsdp', 'dp')`` by default), ``decode_head_axis``,
     ``decode_kv_head_axis`` and ``decode_key_sequence_axis`` those of ``head_axis``,
-    ``kv_head_axis`` and ``key_sequence_axis``; ``decode_query_sequence_axis`` and the
-    attention-dimension ones stay unsharded. The ``decode_*`` names are eformer's for the
-    library's ``generation_*`` fields; both are accepted as keywords and read as attributes.
+    ``kv_head_axis`` and ``key_sequence_axis``; ``decode_query_sequence_axis``,
+    ``decode_attention_dim_axis`` and ``decode_attention_kv_dim_axis`` default to ``None``
+    (unsharded while decoding) whatever their training fields are, as eformer's do. The
+    ``decode_*`` names are eformer's for the library's ``generation_*`` fields; both are
+    accepted as keywords and read as attributes.
 
     An instance is a :class:`~flax_escale.PartitionAxis`, so the library's functions, Flax's
     rules (:meth:`~flax_escale.PartitionAxis.logical_axis_rules`) and :class:`PartitionManager`

@@ -10,7 +10,11 @@ in ``setup``) is what it reads without the library. The names go onto the parame
 of the model returns, so ``model.init`` returns them boxed; and when a Flax lifted transform
 (``nn.scan``, ``nn.vmap``, ``nn.remat``, ...) takes a body's variables out, in a private box
 that lets ``nn.scan`` and ``nn.vmap`` name their stacked axis and then comes out as the plain
-array again. Outside initialization nothing runs at all.
+array again. And ``model.init`` of a decorated class takes a last look at what it returns, so
+that a parameter is annotated whatever runs the model's calls: a ``nn.jit`` around the model's
+own ``__call__`` (which Flax's interceptors never see, and whose kept trace replays without
+running the model's code), a method Flax does not wrap. Outside initialization nothing runs
+at all.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from flax_escale._frontend import (
     record,
     unused_pattern_note,
 )
+from flax_escale._frontend._patterns import shown_paths
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
 
@@ -59,7 +64,11 @@ class _Declared(nn.LogicallyPartitioned):
 
     What ``model.init`` returns; told apart from the model's own boxes so that ``apply`` and
     ``bind`` of a decorated class, and a later initialization, hand the model the plain array.
+    ``source`` is the declaring class and pattern, static, so that it survives a Flax
+    ``nn.jit`` whose kept trace replays the box without running the model's code again.
     """
+
+    source: tuple[str, str] | None = struct.field(pytree_node=False, default=None)
 
 
 class _Carried(struct.PyTreeNode, meta.AxisMetadata[Any]):
@@ -75,6 +84,7 @@ class _Carried(struct.PyTreeNode, meta.AxisMetadata[Any]):
     value: Any
     names: Names = struct.field(pytree_node=False)
     path: Path = struct.field(pytree_node=False)
+    source: tuple[str, str] | None = struct.field(pytree_node=False, default=None)
 
     def unbox(self) -> Any:
         """The array."""
@@ -129,11 +139,15 @@ class Annotator:
             annotation the model gives them.
         known: The declared names of each parameter path, by rank (a parameter stacked by
             ``nn.scan`` has one more dimension outside the scan than inside).
+        origins: For each annotated parameter path, its ``(owner, pattern)``.
+        seen: Every parameter path seen, in order (for the notes of unused patterns).
     """
 
     def __init__(self) -> None:
         self.owners: dict[Path, AxesPatterns] = {}
         self.sources: dict[str, str] = {}
+        self.origins: dict[Path, tuple[str, str]] = {}
+        self.seen: dict[Path, None] = {}
         self.matched: set[tuple[str, str]] = set()
         self.kept: dict[tuple[str, str], list[str]] = {}
         self.known: dict[tuple[Path, int], Names] = {}
@@ -187,23 +201,85 @@ class Annotator:
             if isinstance(value, (Mapping, _Carried, _Declared)):
                 continue
             full = (*path, name)
-            where = "params/" + "/".join(full)
+            self.seen[full] = None
             if isinstance(value, meta.AxisMetadata) or f"{name}_axes" in axes_metadata:
-                # Annotated by the model itself: it keeps that annotation (overrides= replaces
-                # it), and a pattern that matches it is told so rather than "matched nothing".
-                owned = self._owner(full)
-                if owned is not None and (found := owned[1].match("/".join(full[owned[0] :]))):
-                    self.kept.setdefault((owned[1].owner, found[0]), []).append(where)
-                continue
-            if (full, np.ndim(value)) in self.known:
-                continue
-            found = self._lookup(full, np.shape(value))
-            if found is None:
-                continue
-            owner, pattern, names = found
-            self.known[(full, len(names))] = tuple(names)
-            self.sources[where] = f"{owner}[{pattern!r}]"
-            self.matched.add((owner, pattern))
+                self._keep(full)
+            elif (full, np.ndim(value)) not in self.known:
+                self._declared_names(full, value)
+
+    def _keep(self, full: Path) -> None:
+        # Annotated by the model itself: it keeps that annotation (overrides= replaces it), and
+        # a pattern that matches it is told so rather than "matched nothing".
+        owned = self._owner(full)
+        if owned is not None and (found := owned[1].match("/".join(full[owned[0] :]))):
+            where = "params/" + "/".join(full)
+            kept = self.kept.setdefault((owned[1].owner, found[0]), [])
+            if where not in kept:
+                kept.append(where)
+
+    def _declared_names(self, full: Path, value: Any) -> Names | None:
+        # The names a declaration gives the plain parameter ``value`` at ``full``, recorded.
+        names = self.known.get((full, np.ndim(value)))
+        if names is not None:
+            return names
+        found = self._lookup(full, np.shape(value))
+        if found is None:
+            return None
+        owner, pattern, names = found
+        self.known[(full, len(names))] = tuple(names)
+        self._credit(full, (owner, pattern))
+        return tuple(names)
+
+    def _credit(self, full: Path, source: tuple[str, str] | None) -> None:
+        # Which class and pattern annotated the parameter at ``full``.
+        if source is None or full in self.origins:
+            return
+        owner, pattern = source
+        self.origins[full] = source
+        self.sources["params/" + "/".join(full)] = f"{owner}[{pattern!r}]"
+        self.matched.add(source)
+
+    def expect(self, cls: type[nn.Module]) -> None:
+        """Declares ``cls``, the class ``model.init`` was called on, the owner of the root."""
+        patterns = getattr(cls, _PATTERNS, None)
+        if patterns is not None:
+            self.owners.setdefault((), patterns)
+
+    def finish(self, params: Any, axes: Any) -> Any:
+        """``params`` as ``model.init`` returns them: every declared parameter boxed.
+
+        The last look, once no model code runs any more, whatever ran it: a box a Flax lifted
+        transform around the model's own call still carries, a parameter made where no method
+        interceptor looked, or one from a kept ``nn.jit`` trace, which replays its boxes without
+        running the model's code, gets its names here.
+
+        Args:
+            params: The ``params`` collection ``model.init`` returns.
+            axes: Its ``params_axes`` collection (the model's own t5x-style names), or ``{}``.
+        """
+        if not isinstance(params, Mapping):
+            return params
+        new = _rebuilt(params, (), functools.partial(self._finished, axes))
+        if new is None:
+            return params
+        return new if isinstance(params, dict) else type(params)(new)
+
+    def _finished(self, axes: Any, full: Path, value: Any) -> Any:
+        self.seen[full] = None
+        if isinstance(value, (_Carried, _Declared)):
+            names = tuple(value.names)
+            self.known[(full, len(names))] = names
+            self._credit(full, value.source)
+            if isinstance(value, _Declared):
+                return value
+            return _Declared(value.value, names, source=value.source)
+        if isinstance(value, meta.AxisMetadata) or _axes_given(axes, full):
+            self._keep(full)
+            return value
+        names = self._declared_names(full, value)
+        if names is None:
+            return value
+        return _Declared(value, names, source=self.origins.get(full))
 
     def _boxed(self, carried: bool, full: Path, value: Any) -> Any:
         # Where no model code looks any more: the declared names on the parameter.
@@ -215,9 +291,10 @@ class Annotator:
             names, array = self.known.get((full, np.ndim(value))), value
             if names is None:
                 return value
+        source = self.origins.get(full)
         if carried:
-            return _Carried(array, names, full)
-        return value if isinstance(value, _Declared) else _Declared(array, names)
+            return _Carried(array, names, full, source)
+        return value if isinstance(value, _Declared) else _Declared(array, names, source=source)
 
     def _unboxed(self, full: Path, value: Any) -> Any:
         # Before model code runs again: the plain array of a box the library put on.
@@ -225,6 +302,7 @@ class Annotator:
             return value
         names = tuple(value.names)
         self.known[(full, len(names))] = names
+        self._credit(full, value.source)
         return value.value
 
     def _land(self, tree: Scope) -> None:
@@ -292,7 +370,8 @@ class Annotator:
                 owner,
                 pattern,
                 self.kept.get((owner, pattern), []),
-                f"matched no parameter (its annotated parameters: {self._params_of(owner)}).",
+                f"matched no parameter (parameters seen under it: {self._params_of(owner)}; "
+                f"annotated by it: {self._annotated_by(owner)}).",
             )
             for owner, patterns in seen.items()
             for pattern in patterns.patterns
@@ -300,14 +379,19 @@ class Annotator:
         ]
 
     def _params_of(self, owner: str) -> str:
-        roots = ["/".join(p) for p, pats in self.owners.items() if pats.owner == owner]
-        found = sorted(
-            path for path in self.sources if any(path.startswith(f"params/{r}") for r in roots)
+        roots = [path for path, pats in self.owners.items() if pats.owner == owner]
+        return shown_paths(
+            sorted(
+                "params/" + "/".join(full)
+                for full in self.seen
+                if any(full[: len(root)] == root for root in roots)
+            )
         )
-        if not found:
-            return "none annotated"
-        shown = ", ".join(found[:4])
-        return shown + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
+
+    def _annotated_by(self, owner: str) -> str:
+        return shown_paths(
+            sorted("params/" + "/".join(f) for f, (by, _) in self.origins.items() if by == owner)
+        )
 
 
 def _rebuilt(
@@ -324,6 +408,13 @@ def _rebuilt(
             new[name] = change((*base, name), value)
         changed = changed or new[name] is not value
     return new if changed else None
+
+
+def _axes_given(axes: Any, full: Path) -> bool:
+    # Whether the model names the parameter at ``full`` itself in ``params_axes`` (t5x style).
+    for key in full[:-1]:
+        axes = axes.get(key) if isinstance(axes, Mapping) else None
+    return isinstance(axes, Mapping) and f"{full[-1]}_axes" in axes
 
 
 def _refuse_axis_named_twice(module: nn.Module, path: tuple[str, ...]) -> None:
@@ -379,6 +470,23 @@ def _annotating_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _finishing_init(method: Callable[..., Any]) -> Callable[..., Any]:
+    # Module.init_with_output (which init and lazy_init call): the class's patterns own the
+    # root however the model runs its calls, and the returned parameters get a last look.
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with annotating() as annotator:
+            annotator.expect(type(self))
+            out, variables = method(self, *args, **kwargs)
+            if isinstance(variables, Mapping) and "params" in variables:
+                params = annotator.finish(variables["params"], variables.get("params_axes", {}))
+                variables = type(variables)({**variables, "params": params})
+            return out, variables
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
 def _given_plain(method: Callable[..., Any]) -> Callable[..., Any]:
     # Module.apply / Module.bind, whose variables may be what model.init returned: the boxes
     # the declaration put on are taken off, so the model reads what it reads undecorated (the
@@ -416,10 +524,14 @@ def _install(cls: type[nn.Module], patterns: Mapping[str, Sequence[str | None]] 
         method = getattr(cls, name, None)
         if getattr(method, "method_handler_wrapped", False) and not hasattr(method, _WRAPPED):
             setattr(cls, name, _annotating_method(method))
-    for name in ("apply", "bind"):
+    for name, wrap in (
+        ("apply", _given_plain),
+        ("bind", _given_plain),
+        ("init_with_output", _finishing_init),
+    ):
         method = getattr(cls, name)
         if not hasattr(method, _WRAPPED):
-            setattr(cls, name, _given_plain(method))
+            setattr(cls, name, wrap(method))
 
 
 class ShardedMixin(DeclaringMixin):
@@ -467,7 +579,11 @@ def sharded_module(
     from its next module call on. ``apply`` and ``bind`` of a decorated class take what
     ``model.init`` returned and hand the model plain arrays too. Parameters Flax
     already annotates (``nn.with_logical_partitioning``, ``nn.with_partitioning``,
-    ``param_with_axes``) keep their annotation. Inside ``nn.scan`` or ``nn.vmap`` give
+    ``param_with_axes``) keep their annotation. The class's patterns reach its parameters
+    however its calls run (``setup`` or compact, a ``__call__`` under ``nn.jit`` or other
+    decorators): ``model.init`` matches them once more against what it returns, and a pattern
+    that matches nothing is reported by ``init_sharded`` and ``plan_sharding`` with the
+    parameters seen (a warning, an error when ``strict``). Inside ``nn.scan`` or ``nn.vmap`` give
     ``metadata_params={nn.PARTITION_NAME: "layers"}``: the stacked axis is named ``layers``,
     unsharded by the default rules.
 

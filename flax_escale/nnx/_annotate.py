@@ -29,6 +29,7 @@ from flax_escale._frontend import (
     record,
     unused_pattern_note,
 )
+from flax_escale._frontend._patterns import shown_paths
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._annotation import LOGICAL_AXES
 
@@ -83,10 +84,12 @@ def _annotate(module: nnx.Module) -> None:
     patterns: AxesPatterns = getattr(type(module), _PATTERNS)
     matched = set()
     kept: dict[str, list[str]] = {}
+    seen: list[str] = []
     for path, node in nnx.iter_graph(module):
         if not isinstance(node, nnx.Variable):
             continue
         key = "/".join(str(k) for k in path)
+        seen.append(key)
         metadata = node.get_metadata()
         if metadata.get(LOGICAL_AXES) is not None:
             # An inner decorated module annotated it: the pattern agrees with a declaration.
@@ -108,7 +111,10 @@ def _annotate(module: nnx.Module) -> None:
     if notes is not None:
         notes.extend(
             unused_pattern_note(
-                patterns.owner, pattern, kept.get(pattern, []), "matched no variable."
+                patterns.owner,
+                pattern,
+                kept.get(pattern, []),
+                f"matched no variable (variables seen under it: {shown_paths(seen)}).",
             )
             for pattern in patterns.patterns
             if pattern not in matched

@@ -66,6 +66,27 @@ def test_partition_axis_decode_fields_are_eformers(keywords, expected):
     assert decode_fields(escale.PartitionAxis(**keywords)) == expected
 
 
+EFORMER_NONE_DEFAULTS = ["query_sequence", "attention_dim", "attention_kv_dim"]
+
+
+@pytest.mark.parametrize("name", EFORMER_NONE_DEFAULTS)
+def test_decode_fields_eformer_defaults_to_none_do_not_follow_their_training_field(name):
+    # eformer 0.0.101 declares these three decode fields with the default None (the others
+    # default to "derived"); giving the training field does not move them.
+    training = {"query_sequence": "tp", "attention_dim": "tp", "attention_kv_dim": "sp"}[name]
+    paxis = escale.PartitionAxis(**{f"{name}_axis": training})
+    assert getattr(paxis, f"{name}_axis") == training
+    assert getattr(paxis, f"decode_{name}_axis") is None
+    assert paxis.logical_axes(generation=True)[name] is None
+    assert escale.PartitionManager(paxis).resolve([name], mode="decode") == P(None)
+    assert escale.PartitionManager(paxis).resolve([name], mode="train") == P(training)
+    # The signature says so too, where the derived ones show the placeholder `...`.
+    parameters = inspect.signature(escale.PartitionAxis).parameters
+    assert parameters[f"decode_{name}_axis"].default is None
+    assert parameters["decode_head_axis"].default is ...
+    assert inspect.signature(fe.PartitionAxis).parameters[f"decode_{name}_axis"].default is None
+
+
 def test_partition_axis_takes_every_decode_keyword():
     paxis = escale.PartitionAxis(
         decode_batch_axis="dp",
@@ -198,8 +219,13 @@ def test_match_partition_rules_checks_rules_without_arrays_too():
 # --- MeshPartitionHelper: eformer's suggestions and their placement -----------------------
 
 
-@pytest.mark.parametrize("dims", [(1, 4, 1, 2, 1), (2, 2, 1, 2, 1), (1, 8, 1, 1, 1)])
-def test_create_partition_spec_of_the_suggested_methods_is_eformers(dims):
+@pytest.mark.parametrize(
+    ("dims", "vector"),
+    # eformer gives P('dp') for a (1024,) vector on all three; where dp has size 1 that splits
+    # nothing, and the library passes it over for the next method that does.
+    [((1, 4, 1, 2, 1), P("tp")), ((2, 2, 1, 2, 1), P("dp")), ((1, 8, 1, 1, 1), P("fsdp"))],
+)
+def test_create_partition_spec_of_the_suggested_methods_is_eformers(dims, vector):
     helper = escale.MeshPartitionHelper(escale.create_mesh(dims))
     methods = helper._suggest_methods((1024, 4096))
     assert methods == [("fsdp", "sp"), ("dp",), ("tp",)]
@@ -207,12 +233,30 @@ def test_create_partition_spec_of_the_suggested_methods_is_eformers(dims):
     assert helper.create_partition_spec((1024, 4096), [("fsdp", "sp"), ("tp",)]) == P("fsdp", "sp")
     assert helper._suggest_methods((8,)) == [("dp",), ("tp",), ("fsdp",)]
     assert helper.create_partition_spec((8,), helper._suggest_methods((8,))) == P(None)
-    assert helper.create_partition_spec((1024,), helper._suggest_methods((1024,))) == P("dp")
+    assert helper.create_partition_spec((1024,), helper._suggest_methods((1024,))) == vector
     tree = {"a": jax.ShapeDtypeStruct((1024, 4096), "f4"), "b": jax.ShapeDtypeStruct((8,), "f4")}
     assert helper.analyze_pytree(tree) == {
         (1024, 4096): [("fsdp", "sp"), ("dp",), ("tp",)],
         (8,): [("dp",), ("tp",), ("fsdp",)],
     }
+
+
+def test_create_partition_spec_spends_no_dimension_on_a_size_one_axis(devices):
+    # fsdp=8, dp=1: eformer suggests dp first for a 1,024-element vector and gives P('dp'),
+    # which leaves every device a whole copy; fsdp splits it.
+    mesh = escale.create_mesh((1, 8, 1, 1, 1))
+    helper = escale.MeshPartitionHelper(mesh)
+    methods = helper._suggest_methods((1024,))
+    assert methods == [("dp",), ("tp",), ("fsdp",)]
+    spec = helper.create_partition_spec((1024,), methods)
+    assert spec == P("fsdp")
+    placed = helper.shard_array(np.arange(1024.0, dtype=np.float32), spec)
+    assert placed.addressable_shards[0].data.shape == (128,)
+    np.testing.assert_array_equal(np.asarray(placed), np.arange(1024.0, dtype=np.float32))
+    # The same on a rank-2 array whose pair does not fit: the size-1 sp and dp are passed over.
+    assert helper.create_partition_spec((2, 4096), [("dp",), ("sp",), ("fsdp",)]) == P(None, "fsdp")
+    # A size-1 axis given alone places nothing rather than a split of one.
+    assert helper.create_partition_spec((1024,), [("dp",)]) == P(None)
 
 
 def test_suggested_methods_follow_the_mesh_and_the_partition_axis():

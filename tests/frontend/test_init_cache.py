@@ -2,6 +2,7 @@
 
 import gc
 import weakref
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -280,3 +281,63 @@ def test_a_scanned_stack_of_a_decorated_layer_is_kept(mesh):
     )
     info = fel.init_cache_info()
     assert (info.hits, info.misses) == (1, 1)
+
+
+class Widened(nn.Module):
+    """Reads a class attribute that is no dataclass field (a ClassVar)."""
+
+    WIDTH: ClassVar[int] = 8
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.WIDTH, use_bias=False, name="wi")(x)
+
+
+def test_a_changed_class_attribute_initializes_the_changed_model(mesh, monkeypatch):
+    first = fe.init_sharded(Widened(), mesh, KEY, X)
+    assert first["params"]["wi"]["kernel"].shape == (16, 8)
+    monkeypatch.setattr(Widened, "WIDTH", 32)
+    second, seen = traced_or_compiled(lambda: fe.init_sharded(Widened(), mesh, KEY, X))
+    assert ("compile", "jit(init)") in seen
+    assert second["params"]["wi"]["kernel"].shape == (16, 32)
+    # Unchanged, it is kept again.
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(Widened(), mesh, KEY, X))
+    assert seen == []
+
+
+def test_a_changed_closure_initializes_the_changed_model(mesh):
+    width = 8
+
+    class Closing(nn.Module):  # reads `width` from the enclosing function
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(width, use_bias=False, name="wi")(x)
+
+    def make(rngs):  # an NNX callable reading the same variable
+        return NnxMlp(width, rngs)
+
+    assert fe.init_sharded(Closing(), mesh, KEY, X)["params"]["wi"]["kernel"].shape == (16, 8)
+    assert fe.init_sharded(make, mesh, 0).wi.kernel.shape == (16, 8)
+    width = 32
+    linen = fe.init_sharded(Closing(), mesh, KEY, X)
+    assert linen["params"]["wi"]["kernel"].shape == (16, 32)
+    assert fe.init_sharded(make, mesh, 0).wi.kernel.shape == (16, 32)
+    info = fel.init_cache_info()
+    assert (info.hits, info.misses) == (0, 4)
+
+
+def test_a_model_whose_class_attribute_cannot_be_compared_is_not_kept(mesh):
+    class Tabled(nn.Module):
+        TABLE = np.arange(16.0)  # an array compares by neither value nor (safely) identity
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, use_bias=False)(x * self.TABLE)
+
+    first = fe.init_sharded(Tabled(), mesh, KEY, X)
+    Tabled.TABLE[:] = 0.0  # changed in place: a kept program would not see it
+    _, seen = traced_or_compiled(lambda: fe.init_sharded(Tabled(), mesh, KEY, X))
+    assert ("compile", "jit(init)") in seen
+    info = fel.init_cache_info()
+    assert (info.hits, info.misses, info.currsize) == (0, 2, 0)
+    assert first["params"]["Dense_0"]["kernel"].shape == (16, 4)

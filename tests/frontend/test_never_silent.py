@@ -80,3 +80,62 @@ def test_constraints_inside_use_sharding_are_told_about_absent_axes(devices):
     finally:
         context.__exit__(None, None, None)
     assert direct.sharding.spec == inside.sharding.spec == P(None, "tp")
+
+
+def test_nnx_pattern_matching_nothing_names_the_variables_seen(fsdp8):
+    @fe.sharded_module({"kernel": ODD, "wq/kernel": ("hidden_state", "head")})
+    class Seen(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Linear(8, 16, rngs=rngs)
+
+    expected = (
+        r"Seen: pattern 'wq/kernel' matched no variable \(variables seen under it: w/bias, "
+        r"w/kernel\)\. Fix the pattern or remove it\."
+    )
+    with pytest.raises(fe.EscaleError, match=expected):
+        fe.init_sharded(Seen, fsdp8, 0, strict=True)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=expected):
+        fe.init_sharded(Seen, fsdp8, 0)
+
+
+def test_subclasses_of_a_decorated_class_with_its_own_init_subclass_are_declared(fsdp8):
+    # A decorated class that defines __init_subclass__ (a registry, say): its subclasses used
+    # to be left undeclared, so an NNX subclass with its own __init__ lost every name silently.
+    registry = []
+
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    class Registered(nnx.Module):
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            registry.append(cls.__name__)
+
+        def __init__(self, rngs):
+            self.w = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+
+    class Wider(Registered):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.v = nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+
+    assert registry == ["Wider"]
+    module = fe.init_sharded(Wider, fsdp8, 0, strict=True)
+    for layer in (module.w, module.v):
+        assert layer.kernel.get_metadata("logical_axes") == ("hidden_state", "mlp_intermediate")
+        assert layer.kernel.get_value().sharding.spec == P(("fsdp", "sp"), None)
+
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    class LinenRegistered(nn.Module):
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            registry.append(cls.__name__)
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, use_bias=False)(x)
+
+    class LinenWider(LinenRegistered):
+        pass
+
+    assert registry == ["Wider", "LinenWider"]
+    variables = fe.init_sharded(LinenWider(), fsdp8, KEY, jnp.ones((2, 8)), strict=True)
+    assert variables["params"]["Dense_0"]["kernel"].sharding.spec == P(("fsdp", "sp"), None)

@@ -1,3 +1,4 @@
+import functools
 import re
 from typing import ClassVar
 
@@ -6,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.core import meta
 from flax.linen import partitioning as nn_partitioning
+from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -351,3 +354,68 @@ def test_unused_pattern_is_reported_and_strict_raises():
     assert any("kernal" in note for note in plan.notes)
     with pytest.raises(fe.EscaleError, match="pattern 'kernal' matched no parameter"):
         fe.plan_sharding(Typo(), mesh, KEY, X, strict=True)
+
+
+# A model whose own __call__ runs under nn.jit (as DeepMind gemma's Transformer does): Flax takes
+# nn.jit's wrapper as already wrapped, so no interceptor sees the outermost call, and the body
+# runs in a scope tree of its own; a second init replays nn.jit's kept trace without running it.
+
+
+class JittedCall(nn.Module):
+    def setup(self):
+        self.embedding = self.param("embedding", nn.initializers.normal(), (32, 8))
+        self.blocks = [nn.Dense(8, name=f"layer_{i}") for i in range(2)]
+
+    @functools.partial(nn.jit, static_argnames=("self",))
+    def __call__(self, ids):
+        x = self.embedding[ids]
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.embedding.T
+
+
+JITTED_AXES = {
+    "embedding": ("vocab", "hidden_state"),
+    "kernel": ("hidden_state", "mlp_intermediate"),
+}
+
+
+def test_a_root_call_under_nn_jit_is_annotated_at_every_init(mesh):
+    @fe.sharded_module(JITTED_AXES)
+    class Decorated(JittedCall):
+        pass
+
+    ids = jnp.arange(8).reshape(2, 4)
+    expected = {
+        "embedding": ("vocab", "hidden_state"),
+        "layer_0": {"kernel": ("hidden_state", "mlp_intermediate")},
+        "layer_1": {"kernel": ("hidden_state", "mlp_intermediate")},
+    }
+    for _ in range(2):  # the second init runs nn.jit's kept trace
+        variables = Decorated().init(KEY, ids)
+        assert names_of(variables) == expected
+        # No box of the library's own making leaves init but Flax's logical one.
+        leaves = jax.tree.leaves(variables, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+        assert all(isinstance(x, (nn.LogicallyPartitioned, jax.Array)) for x in leaves)
+    sharded = fe.init_sharded(Decorated(), mesh, KEY, ids, strict=True)
+    assert sharded["params"]["embedding"].sharding.spec == P("tp", ("fsdp", "sp"))
+    assert sharded["params"]["layer_1"]["kernel"].sharding.spec == P(("fsdp", "sp"), "tp")
+    assert_bit_equal(sharded, jax.jit(JittedCall().init)(KEY, ids))
+
+
+def test_a_pattern_nothing_matches_under_nn_jit_names_what_was_seen(mesh):
+    @fe.sharded_module({**JITTED_AXES, "wte/embedding": ("vocab", "hidden_state")})
+    class Decorated(JittedCall):
+        pass
+
+    ids = jnp.arange(8).reshape(2, 4)
+    expected = (
+        r"Decorated: pattern 'wte/embedding' matched no parameter \(parameters seen under it: "
+        r"params/embedding, params/layer_0/bias, params/layer_0/kernel, params/layer_1/bias, "
+        r"params/layer_1/kernel; annotated by it: params/embedding, params/layer_0/kernel, "
+        r"params/layer_1/kernel\)\. Fix the pattern or remove it\."
+    )
+    with pytest.raises(fe.EscaleError, match=expected):
+        fe.init_sharded(Decorated(), mesh, KEY, ids, strict=True)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=expected):
+        fe.init_sharded(Decorated(), mesh, KEY, ids)
