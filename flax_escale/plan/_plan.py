@@ -493,10 +493,9 @@ def _checked_items(items: Any) -> Sequence[tuple[str, Any, Annotation | None]]:
             isinstance(item, (tuple, list))
             and len(item) == 3
             and isinstance(item[0], str)
-            and isinstance(getattr(item[1], "shape", None), tuple)
-            and hasattr(item[1], "dtype")
             and (item[2] is None or isinstance(item[2], Annotation))
         ):
+            # The array is checked where every entry point's leaves are (resolve_items).
             raise EscaleTypeError(
                 f"build_plan: items[{index}] must be a (path, array, annotation) triple: a "
                 "string, an array or jax.ShapeDtypeStruct, and an Annotation or None; got "

@@ -19,10 +19,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_escale._checks import describe
 from flax_escale._dataclasses import replace_checked
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules
-from flax_escale.errors import EscaleError, ShardingCorrectionWarning, ShardingResolutionError
+from flax_escale.errors import (
+    EscaleError,
+    EscaleTypeError,
+    ShardingCorrectionWarning,
+    ShardingResolutionError,
+)
 from flax_escale.plan._annotation import Annotation
 from flax_escale.resolve import Resolution, complete_spec, enforce, fit_mesh_axes
 from flax_escale.resolve._resolution import at_path
@@ -77,7 +83,7 @@ def resolve_items(
     Returns:
         One resolution per item.
     """
-    shapes = [array_shape(leaf) for _, leaf, _ in items]
+    shapes = [_shape_at(path, leaf) for path, leaf, _ in items]
     resolve = _Resolving(mesh, frozen, strict)
     resolutions: list[Resolution | None] = []
     following = []
@@ -148,6 +154,18 @@ def sharding_tree(mesh: Mesh, treedef: Any, resolutions: Sequence[Resolution]) -
             by_resolution[id(resolution)] = found
         shardings.append(found)
     return treedef.unflatten(shardings)
+
+
+def _shape_at(path: str, leaf: Any) -> tuple[int, ...]:
+    shape = getattr(leaf, "shape", None)
+    if not isinstance(shape, Sequence) or not hasattr(leaf, "dtype"):
+        # A Python number (a step count kept in the state, say) has no layout to give.
+        raise EscaleTypeError(
+            f"the leaf {path!r} is {describe(leaf)}, which is not an array; a sharding is "
+            "laid out for arrays: keep it out of the tree, or make it one (jnp.asarray(...), "
+            "or jax.ShapeDtypeStruct for an abstract one)."
+        )
+    return array_shape(leaf)
 
 
 def array_shape(leaf: Any) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ Cases for the annotation readers (``Annotation``, ``annotated_leaves``, ``read_a
 """
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -128,10 +129,18 @@ CASES = [
     case(
         lambda: fep.build_plan(jax.tree.structure({"w": 0}), [("w", "x", None)], mesh5()),
         T,
-        "items[0]",
-        "('w', 'x', None)",
-        r"annotated_leaves\(tree\) gives such items",
+        "the leaf 'w'",
+        "str 'x'",
+        r"make it one \(jnp.asarray",
         id="build_plan-item-not-an-array",
+    ),
+    case(
+        lambda: fe.logical_to_mesh_sharding({"w": jnp.zeros((8, 4)), "step": 3}, mesh5()),
+        T,
+        "the leaf 'step'",
+        "int 3",
+        r"keep it out of the tree, or make it one",
+        id="logical_to_mesh_sharding-python-int-leaf",
     ),
     case(
         lambda: fep.build_plan(jax.tree.structure({"w": 0}), {"w": X}, mesh5()),

@@ -8,7 +8,6 @@ mistakes need files, so they are plain tests below the table.
 """
 
 import functools
-import os
 
 import flax.linen as nn
 import jax
@@ -17,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from support.mistakes import MISTAKE, T, case, raises_a_library_error
+from support.permissions import permission_bits_apply
 
 import flax_escale as fe
 from flax_escale import planning
@@ -301,8 +301,9 @@ def test_a_cache_under_a_file_is_refused_before_compiling(tmp_path, monkeypatch)
         plan(cache=file / "sub")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any directory")
-def test_a_cache_in_a_directory_without_write_permission_is_refused(tmp_path):
+def test_a_cache_in_a_directory_without_write_permission_is_refused(tmp_path, request):
+    if not permission_bits_apply(request):
+        return
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(fe.EscaleError, match=r"cache: '.*locked/plan' cannot be written"):
