@@ -159,10 +159,11 @@ class ShardingPlan:
         rules: The logical-axis rules the plan was resolved with (``None``: not recorded).
 
     A plan is read like a mapping of paths to entries, but iterates over its entries:
-    ``plan[path]`` and ``plan.get(path)`` give the :class:`PlanEntry` at ``path``,
-    ``path in plan`` says whether there is one (an entry is ``in`` its plan too),
+    ``plan[path]`` and ``plan.get(path)`` give the :class:`~flax_escale.plan.PlanEntry` at
+    ``path``, ``path in plan`` says whether there is one (an entry is ``in`` its plan too),
     ``for entry in plan`` and ``len(plan)`` go over the entries. ``plan[path]`` of a path the
-    plan lacks raises :class:`UnknownPathError`, a ``KeyError`` naming the closest paths.
+    plan lacks raises :class:`~flax_escale.plan.UnknownPathError`, a ``KeyError`` naming the
+    closest paths.
     """
 
     mesh: Mesh
