@@ -439,18 +439,36 @@ def sharding_fits(sharding: NamedSharding, shape: Sequence[int], argument: str) 
     """
     spec, sizes = sharding.spec, sharding.mesh.shape
     where = f"{argument}: {spec} on mesh {dict(sizes)}"
-    if len(spec) > len(shape):
+    misfit = spec_misfit(sharding, shape)
+    if misfit is None:
+        return
+    dim, parts = misfit
+    if dim is None:
         raise EscaleError(
             f"{where} has {len(spec)} entries for the {len(shape)} dimensions of shape "
             f"{tuple(shape)}; give at most one entry per dimension."
         )
+    raise EscaleError(
+        f"{where} splits dimension {dim} of shape {tuple(shape)} into {parts} parts, "
+        "which do not divide it; give a spec whose mesh axes divide each dimension."
+    )
+
+
+def spec_misfit(sharding: NamedSharding, shape: Sequence[int]) -> tuple[int | None, int] | None:
+    """How a sharding does not fit ``shape``, for callers that word it their own way.
+
+    Returns:
+        ``None`` if it fits; ``(None, entries)`` if its spec is longer than ``shape``;
+        otherwise ``(dim, parts)`` for the first dimension its ``parts`` do not divide.
+    """
+    spec, sizes = sharding.spec, sharding.mesh.shape
+    if len(spec) > len(shape):
+        return None, len(spec)
     for dim, entry in enumerate(spec):
         parts = int(np.prod([sizes[a] for a in mesh_axes_of(entry)]))
         if shape[dim] % parts:
-            raise EscaleError(
-                f"{where} splits dimension {dim} of shape {tuple(shape)} into {parts} parts, "
-                "which do not divide it; give a spec whose mesh axes divide each dimension."
-            )
+            return dim, parts
+    return None
 
 
 def named_sharding_of(mesh: Any, spec: Any, argument: str) -> NamedSharding:

@@ -15,7 +15,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
 
 __all__ = ["batch_problem", "checked_batch_sharding", "devices_of_state"]
@@ -128,24 +127,23 @@ def _misfit(part: Any, sharding: Sharding, prefix: Any) -> EscaleError | None:
         name = f"batch{jax.tree_util.keystr((*prefix, *path))}"
         where = f"batch_sharding {_where(sharding)}"
         if isinstance(sharding, NamedSharding):
-            spec, sizes = sharding.spec, sharding.mesh.shape
-            if len(spec) > len(shape):
+            misfit = check.spec_misfit(sharding, shape)
+            if misfit is None:
+                continue
+            dim, parts = misfit
+            if dim is None:
                 return EscaleError(
                     f"jit_train_step: {name} of shape {shape} has {len(shape)} dimension(s), "
-                    f"fewer than the {len(spec)} entries of {where}; give batch_sharding at most "
+                    f"fewer than the {parts} entries of {where}; give batch_sharding at most "
                     f"one entry per dimension of the batch, e.g. {_HOW}."
                 )
-            for dim, entry in enumerate(spec):
-                parts = int(np.prod([sizes[axis] for axis in mesh_axes_of(entry)]))
-                if shape[dim] % parts:
-                    return EscaleError(
-                        f"jit_train_step: {name} of shape {shape} does not fit {where}: its "
-                        f"dimension {dim} ({shape[dim]}) is split into {parts} parts, which do "
-                        f"not divide it; make that dimension a multiple of {parts} (pad or drop "
-                        "a last, partial batch), or pass a batch_sharding whose mesh axes "
-                        "divide it."
-                    )
-            continue
+            return EscaleError(
+                f"jit_train_step: {name} of shape {shape} does not fit {where}: its "
+                f"dimension {dim} ({shape[dim]}) is split into {parts} parts, which do "
+                f"not divide it; make that dimension a multiple of {parts} (pad or drop "
+                "a last, partial batch), or pass a batch_sharding whose mesh axes "
+                "divide it."
+            )
         try:
             sharding.shard_shape(shape)
         except (ValueError, TypeError) as error:
