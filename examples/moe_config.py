@@ -108,17 +108,26 @@ def command_line(description: str, argv: list[str] | None) -> tuple[argparse.Nam
         help="sizes of dp,fsdp,ep,tp,sp (default 1,2,4,1,1 on cpu, 1,1,-1,1,1 on accelerators)",
     )
     parser.add_argument("--strategy", choices=moe.STRATEGIES, default="capacity")
+    # No defaults here: an option of the other strategy is refused rather than ignored.
     parser.add_argument(
-        "--exchange", choices=("all_to_all", "ragged_all_to_all"), default="all_to_all"
+        "--exchange",
+        choices=("all_to_all", "ragged_all_to_all"),
+        help="the dropless strategy's token exchange (default all_to_all)",
     )
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        help="the capacity strategy's slots per expert, over the even share (default 1.25)",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
-    config = dataclasses.replace(
-        SMALL, strategy=args.strategy, exchange=args.exchange, capacity_factor=args.capacity_factor
-    )
-    return args, config
+    other = "--exchange" if args.strategy == "capacity" else "--capacity-factor"
+    if (args.exchange if args.strategy == "capacity" else args.capacity_factor) is not None:
+        parser.error(f"{other} is not an option of --strategy {args.strategy}")
+    chosen = {"exchange": args.exchange, "capacity_factor": args.capacity_factor}
+    given = {name: value for name, value in chosen.items() if value is not None}
+    return args, dataclasses.replace(SMALL, strategy=args.strategy, **given)
 
 
 def mesh_of(args: argparse.Namespace, devices: list[jax.Device]) -> jax.sharding.Mesh:

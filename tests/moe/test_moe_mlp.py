@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.example_modules import load
 
 import flax_escale as fe
 from flax_escale.moe import (
@@ -784,3 +785,27 @@ def test_num_experts_of_experts_without_kernels_is_named():
         r"array, got None",
     ):
         _ = GatedExperts(None, None, None).num_experts
+
+
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["--strategy", "capacity", "--exchange", "ragged_all_to_all"], "--exchange"),
+        (["--strategy", "dropless", "--capacity-factor", "2.0"], "--capacity-factor"),
+    ],
+    ids=["capacity-exchange", "dropless-capacity-factor"],
+)
+def test_the_examples_command_line_refuses_the_other_strategys_option(capsys, argv, refused):
+    command_line = load("moe_config").command_line
+    with pytest.raises(SystemExit) as exited:
+        command_line("an MoE example", argv)
+    assert exited.value.code == 2
+    assert f"{refused} is not an option of --strategy" in capsys.readouterr().err
+
+
+def test_the_examples_command_line_passes_each_strategy_its_option():
+    command_line = load("moe_config").command_line
+    _, capacity = command_line("x", ["--strategy", "capacity", "--capacity-factor", "2.0"])
+    _, dropless = command_line("x", ["--strategy", "dropless", "--exchange", "ragged_all_to_all"])
+    assert capacity.dispatch() == {"strategy": "capacity", "capacity_factor": 2.0}
+    assert dropless.dispatch() == {"strategy": "dropless", "exchange": "ragged_all_to_all"}
