@@ -28,7 +28,10 @@ rank, victim = int(sys.argv[1]), int(sys.argv[2])
 fe.initialize_distributed(
     "127.0.0.1:{port}", 2, rank, local_device_count=2, timeout=60, heartbeat_timeout={heartbeat}
 )
-multihost_utils.process_allgather(np.full(3, rank))  # the group works
+# The group works, and the loop's program is compiled before a peer dies: on a loaded
+# machine a compile after the death could outlast the heartbeat.
+multihost_utils.process_allgather(np.full(3, float(rank)))
+multihost_utils.process_allgather(np.ones(3))
 print("first collective done", flush=True)
 if rank == victim:
     os.kill(os.getpid(), signal.SIGKILL)
