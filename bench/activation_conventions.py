@@ -30,8 +30,8 @@ from plan_64 import linen_gpt, nnx_llama
 from step_bounds import LAYOUTS, measure
 
 import flax_escale as fe
+from flax_escale._units import format_bytes
 from flax_escale.mesh import Target
-from flax_escale.plan._plan import format_bytes
 
 BETWEEN_BLOCKS = ("batch", "sequence", "hidden_state")
 CONVENTIONS = {

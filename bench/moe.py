@@ -33,7 +33,7 @@ on TPU) and, on request, ``dropless-padded`` (the padded ``all_to_all`` every ba
 
 For each mesh and strategy it prints the step's per-device peak (``memory_analysis()``: the
 train state, the batch and the temporaries) and what one device's collectives produce per step
-(``planning._hlo.program_costs``, every trip of the layer loop counted; result bytes, not the
+(``sizing._hlo.program_costs``, every trip of the layer loop counted; result bytes, not the
 ring's wire bytes): the all-to-alls (``all-to-all`` and ``ragged-all-to-all`` together) beside
 the textbook's figure, and every other kind together (each kind on the line below). The
 textbook, per device, per step, with ``b`` = 4 bytes (float32 activations), ``H`` the hidden
@@ -108,8 +108,8 @@ import nnx_moe
 import flax_escale as fe
 from flax_escale.mesh import Target
 from flax_escale.moe import expert_capacity
-from flax_escale.planning._hlo import program_costs
-from flax_escale.planning._workload import lower_programs
+from flax_escale.sizing._hlo._reader import program_costs
+from flax_escale.sizing._workload import lower_programs
 from flax_escale.tools._reshardings import compile_collecting
 
 GIB = 2**30

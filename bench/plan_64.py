@@ -55,8 +55,8 @@ import linen_gpt
 import nnx_llama
 from rich.console import Console
 
-from flax_escale.plan._plan import format_bytes
-from flax_escale.planning import MeshPlan, Workload, plan_mesh
+from flax_escale._units import format_bytes
+from flax_escale.sizing import MeshPlan, Workload, plan_mesh
 
 DEFAULT_CACHE = "/tmp/flax_escale_bench_plan_64"
 

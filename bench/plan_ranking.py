@@ -73,7 +73,7 @@ from flax import nnx  # noqa: E402
 import flax_escale as fe  # noqa: E402
 from flax_escale import linen as fel  # noqa: E402
 from flax_escale import nnx as fen  # noqa: E402
-from flax_escale.planning import (  # noqa: E402
+from flax_escale.sizing import (  # noqa: E402
     Candidate,
     HardwareProfile,
     MeshPlan,
@@ -82,7 +82,7 @@ from flax_escale.planning import (  # noqa: E402
     measure_cpu_profile,
     plan_mesh,
 )
-from flax_escale.planning._hlo import program_costs  # noqa: E402
+from flax_escale.sizing._hlo._reader import program_costs  # noqa: E402
 
 DEFAULT_CACHE = "/tmp/flax_escale_bench_plan_ranking"
 

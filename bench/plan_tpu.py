@@ -42,8 +42,8 @@ import jax
 from plan_64 import gpt2_124m, llama_7b
 from rich.console import Console
 
-from flax_escale.plan._plan import format_bytes
-from flax_escale.planning import MeshPlan, plan_mesh
+from flax_escale._units import format_bytes
+from flax_escale.sizing import MeshPlan, plan_mesh
 
 PLANS = {  # name: (workload, target, global batch in sequences)
     "gpt2-v5p-128": ("gpt2_124m", "v5p-128", 64),
@@ -65,8 +65,8 @@ sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / "examples")!r})
 import warnings
 import flax_escale as fe
-from flax_escale.planning._workload import lower_programs
-from flax_escale.planning._hlo import program_costs
+from flax_escale.sizing._workload import lower_programs
+from flax_escale.sizing._hlo._reader import program_costs
 from plan_64 import {factory}
 workload = {factory}()
 for dims in {dims!r}:

@@ -5,7 +5,7 @@ of 95 GB, the default, or ``cpu``; ``--batch``, ``--length``). Each model's step
 examples' at real shapes, layers scanned, AdamW, float32) is lowered on each layout of 8
 devices and compiled ahead of time for
 the target (nothing runs); the bytes one device sends per step by each kind of collective are
-read from the compiled program (``planning._hlo.program_costs``, ring algorithms) and printed
+read from the compiled program (``sizing._hlo.program_costs``, ring algorithms) and printed
 beside the analytic bound of the layout, from the scaling book's per-layer figures, with P the
 parameter bytes, A = batch x sequence x hidden x 4 bytes one layer's activations, L the
 layers and a ring collective over n devices sending (n-1)/n of its bytes (all-gather,
@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax
 from plan_64 import GPT2, LLAMA_7B, linen_gpt, nnx_llama  # puts examples/ on the path
 
+from flax_escale._units import format_bytes
 from flax_escale.mesh import Target
-from flax_escale.plan._plan import format_bytes
-from flax_escale.planning._hlo import program_costs
-from flax_escale.planning._workload import lower_programs
+from flax_escale.sizing._hlo._reader import program_costs
+from flax_escale.sizing._workload import lower_programs
 from flax_escale.tools._reshardings import compile_collecting
 
 LAYOUTS = {  # dp, fsdp, ep, tp, sp

@@ -36,7 +36,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 
 import flax_escale as fe  # noqa: E402
 from flax_escale import linen as fel  # noqa: E402
-from flax_escale.planning._hlo import collective_bytes  # noqa: E402
+from flax_escale.sizing._hlo._reader import collective_bytes  # noqa: E402
 
 
 def by_hand(model: nn.Module, mesh: jax.sharding.Mesh, rules, key, tokens, tx) -> TrainState:

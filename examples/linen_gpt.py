@@ -24,7 +24,7 @@ from flax.training.train_state import TrainState
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 # Rows of an embedding table as looked up: the features whole (see the model's lookup).

@@ -27,7 +27,7 @@ from moe_config import EXPERT_INIT, RULES, SMALL, Config
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import moe
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 # Rows of an embedding table as looked up: the features whole (see the model's lookup).

@@ -24,7 +24,7 @@ from flax import nnx
 
 import flax_escale as fe
 from flax_escale import nnx as fen
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 # Rows of an embedding table as looked up: the features whole (see the model's lookup).
@@ -169,7 +169,7 @@ def train_step(model: Llama, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax
 def workload(config: Config = Config(), batch: int = 16, length: int = 33) -> Workload:
     """The model, AdamW and ``train_step`` on ``batch`` sequences of ``length`` tokens.
 
-    What :func:`flax_escale.planning.plan_mesh` compiles on every candidate mesh;
+    What :func:`flax_escale.sizing.plan_mesh` compiles on every candidate mesh;
     ``python -m flax_escale plan nnx_llama:workload --devices 8 --memory 4MiB`` (from
     ``examples/``) prints its plan.
     """

@@ -22,7 +22,7 @@ from nnx_llama import Attention
 import flax_escale as fe
 from flax_escale import moe
 from flax_escale import nnx as fen
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
 # Rows of an embedding table as looked up: the features whole (see the model's lookup).

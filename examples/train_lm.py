@@ -8,7 +8,7 @@ one size may be ``-1``, the devices the others leave; the default is ``dp:1,fsdp
 the CPU devices and ``fsdp:-1`` on accelerators), builds the NNX Llama of
 ``nnx_llama.py`` (or, with ``--api linen``, the Linen GPT of ``linen_gpt.py``) directly sharded,
 prints the sharding plan, the top three meshes of the mesh plan for these devices
-(:func:`flax_escale.planning.plan_mesh`) and the memory a training step needs per device,
+(:func:`flax_escale.sizing.plan_mesh`) and the memory a training step needs per device,
 trains on synthetic data with a progress bar, and prints the per-device memory of parameters
 and optimizer state.
 """
@@ -33,7 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
-from flax_escale import planning
+from flax_escale import sizing
 
 DEFAULT_MESH = {"cpu": "dp:1,fsdp:4,tp:2", "accelerator": "fsdp:-1"}
 
@@ -110,7 +110,7 @@ def _print_mesh_plan(args: argparse.Namespace, devices: int, console: Console) -
     # 16), before any is built: the planner compiles every candidate on simulated CPU devices,
     # in a child process when there are more than this process has, and keeps the figures.
     example = {"nnx": nnx_llama, "linen": linen_gpt}[args.api]
-    plan = planning.plan_mesh(
+    plan = sizing.plan_mesh(
         example.workload,
         devices=devices,
         memory=args.plan_memory,

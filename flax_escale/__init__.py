@@ -5,7 +5,7 @@ resolver, constraints, the front-end entry points, the tools around training, ch
 multi-host data and the errors. The rest is organized by layer and by audience:
 
 - :mod:`flax_escale.linen` and :mod:`flax_escale.nnx`: what is specific to one Flax API.
-- :mod:`flax_escale.planning`: which mesh of N devices fits a model and trains it fastest,
+- :mod:`flax_escale.sizing`: which mesh of N devices fits a model and trains it fastest,
   planned on one CPU machine (``plan_mesh``, ``python -m flax_escale plan``).
 - :mod:`flax_escale.t5x`: t5x.partitioning's vocabulary (``Partitioner``, mesh builders, ...).
 - :mod:`flax_escale.eformer`: eformer.escale's names and signatures.
@@ -21,11 +21,11 @@ from flax_escale import (  # noqa: F401 (the namespaces)
     moe,
     nnx,
     plan,
-    planning,
+    sizing,
     t5x,
     testing,
 )
-from flax_escale._frontend._entry import init_sharded, lower_init, plan_sharding, sharded_module
+from flax_escale._api import init_sharded, lower_init, plan_sharding, sharded_module
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import (
     EscaleError,

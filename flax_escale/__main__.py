@@ -5,7 +5,7 @@ Subcommands:
 - ``launch``: run a script as several processes of one job on this machine
   (:mod:`flax_escale.tools._launch`).
 - ``plan``: rank the meshes of N devices for a workload by memory and estimated step time
-  (:func:`flax_escale.planning.plan_mesh`).
+  (:func:`flax_escale.sizing.plan_mesh`).
 - ``report``: the sharding report of a workload's parameters and optimizer state on one mesh,
   printed and written as a web page (:func:`flax_escale.sharding_report`).
 
@@ -28,14 +28,14 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from flax_escale import _checks as check
-from flax_escale import planning
+from flax_escale import sizing
 from flax_escale.errors import EscaleError, MeshError
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target, create_mesh, parse_mesh_shape
 from flax_escale.mesh._target import MAX_SIMULATED_DEVICES
-from flax_escale.planning import PROFILES
-from flax_escale.planning._candidates import checked_axes
-from flax_escale.planning._plan import _build
-from flax_escale.planning._state_plan import train_state_plan
+from flax_escale.sizing import PROFILES
+from flax_escale.sizing._candidates import checked_axes
+from flax_escale.sizing._plan_mesh import _build
+from flax_escale.sizing._state_plan import train_state_plan
 from flax_escale.tools import _launch, sharding_report
 
 
@@ -113,7 +113,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="rank the meshes of N devices for a workload by memory and step time",
         description=(
-            "Compile the workload that FACTORY returns (a flax_escale.planning.Workload) on "
+            "Compile the workload that FACTORY returns (a flax_escale.sizing.Workload) on "
             "every candidate mesh of DEVICES simulated CPU devices (or of a TPU slice, with "
             "the TPU compiler: --target v5p-128), ahead of time, and print "
             "the meshes ranked: per-device peak memory against the budget, collective bytes "
@@ -177,7 +177,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     with _options(names, "--target"):
         target = Target.named(args.target, devices=args.devices, slices=args.slices)
     profile = _profile(args)
-    memory = None if args.memory is None else planning.parse_bytes(args.memory, "--memory")
+    memory = None if args.memory is None else sizing.parse_bytes(args.memory, "--memory")
     axes = None
     if args.axes is not None:
         axes = checked_axes([a.strip() for a in args.axes.split(",")], "--axes")
@@ -187,7 +187,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         check.positive_int(args.top, "--top")
     # Wide enough for the table when the output is a log rather than a terminal.
     console = Console(width=None if sys.stdout.isatty() else 160)
-    plan = planning.plan_mesh(
+    plan = sizing.plan_mesh(
         args.workload,
         target=target,
         memory=memory,
@@ -200,11 +200,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     console.print(plan.table(args.top))
     console.print(plan.recommendation(), markup=False, highlight=False)
-    console.print(planning.ESTIMATE_TERMS, style="dim", highlight=False)
+    console.print(sizing.ESTIMATE_TERMS, style="dim", highlight=False)
     return 0 if plan.best is not None else 1
 
 
-def _profile(args: argparse.Namespace) -> planning.HardwareProfile | None:
+def _profile(args: argparse.Namespace) -> sizing.HardwareProfile | None:
     """The hardware profile the options describe: named, custom, or ``None`` (the default)."""
     custom = {
         "--flops": args.flops,
@@ -217,7 +217,7 @@ def _profile(args: argparse.Namespace) -> planning.HardwareProfile | None:
         if args.profile is None:
             return None
         with _options({"profile": "--profile"}, "--profile"):
-            return planning.hardware_profile(args.profile)
+            return sizing.hardware_profile(args.profile)
     if args.profile is not None:
         raise EscaleError(
             f"--profile {args.profile} and {', '.join(given)} both describe the hardware, and "
@@ -234,7 +234,7 @@ def _profile(args: argparse.Namespace) -> planning.HardwareProfile | None:
         if custom[flag] is not None:
             check.positive_number(custom[flag], flag)
     latency = 0.0 if args.latency is None else check.non_negative_number(args.latency, "--latency")
-    return planning.HardwareProfile(
+    return sizing.HardwareProfile(
         "custom",
         args.flops,
         args.bandwidth,
@@ -249,7 +249,7 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
         help="the sharding report of a workload's parameters and optimizer state on one mesh",
         description=(
             "Plan the train state of the workload that FACTORY returns (a "
-            "flax_escale.planning.Workload) on MESH, without allocating or compiling anything: "
+            "flax_escale.sizing.Workload) on MESH, without allocating or compiling anything: "
             "print the table of every array (parameters, optimizer state as the training step "
             "holds it), and with --html write the report as a self-contained web page. With "
             "--baseline-mesh, also list the arrays whose layout differs on that mesh."

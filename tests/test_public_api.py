@@ -1,8 +1,6 @@
 import importlib
 import types
 
-import pytest
-
 import flax_escale
 
 EXPECTED = {
@@ -64,7 +62,7 @@ EXPECTED = {
         "stack_layers",
         "stacked",
     ],
-    "flax_escale.planning": [
+    "flax_escale.sizing": [
         "ESTIMATE_TERMS",
         "PLANNED_AXES",
         "PROFILES",
@@ -342,72 +340,30 @@ def test_eformer_reuses_the_core_object_wherever_its_call_means_the_same():
     assert eformer.make_shard_and_gather_fns is sharding.make_shard_and_gather_fns
 
 
-# Public names that moved, as "old place -> new place". Each still works from its old place for
-# one release, with a DeprecationWarning naming the new one.
-MOVED = [
-    "flax_escale.mesh.LocalChunker -> flax_escale.t5x.LocalChunker",
-    "flax_escale.mesh.LocalChunkInfo -> flax_escale.t5x.LocalChunkInfo",
-    "flax_escale.mesh.get_mesh_axis_size -> flax_escale.eformer.get_mesh_axis_size",
-    "flax_escale.mesh.get_submesh_device_index -> flax_escale.eformer.get_submesh_device_index",
-    "flax_escale.mesh.names_in_current_mesh -> flax_escale.eformer.names_in_current_mesh",
-    "flax_escale.mesh.get_mesh_axis_names -> flax_escale.eformer.get_mesh_axis_names",
-    "flax_escale.mesh.get_axes_size_in_mesh -> flax_escale.eformer.get_axes_size_in_mesh",
-    "flax_escale.mesh.get_incontext_mesh -> flax_escale.mesh.current_mesh",
-    "flax_escale.axes.AxisNames -> flax_escale.t5x.AxisNames",
-    "flax_escale.axes.standard_logical_axis_rules -> flax_escale.t5x.standard_logical_axis_rules",
-    "flax_escale.sharding.extract_shardings -> flax_escale.eformer.extract_shardings",
-    "flax_escale.sharding.get_partition_spec -> flax_escale.eformer.get_partition_spec",
-    "flax_escale.sharding.get_names_from_partition_spec -> "
-    "flax_escale.eformer.get_names_from_partition_spec",
-    "flax_escale.sharding.ShardingAnalysis -> flax_escale.eformer.ShardingAnalysis",
-    "flax_escale.sharding.analyze_sharding_strategy -> "
-    "flax_escale.eformer.analyze_sharding_strategy",
-    "flax_escale.sharding.MeshPartitionHelper -> flax_escale.eformer.MeshPartitionHelper",
-    "flax_escale.sharding.create_pattern_based_partition_spec -> "
-    "flax_escale.eformer.create_pattern_based_partition_spec",
-    "flax_escale.sharding.auto_partition_spec -> flax_escale.sharding.spec_from_shape",
-    "flax_escale.sharding.match_partition_rules -> flax_escale.sharding.specs_from_regex",
-    "flax_escale.mesh.MeshAxisNames -> flax_escale.axes.MeshAxes",
-    "flax_escale.resolve.resolve_mesh_axes -> flax_escale.resolve.fit_mesh_axes",
-    *(
-        f"flax_escale.sharding.{name} -> flax_escale.plan.{name}"
-        for name in EXPECTED["flax_escale.plan"]
-        if name not in ("USE_IDLE_AXES", "ArrayChange", "PlanDiff", "UnknownPathError")
-    ),
-    *(
-        f"flax_escale.frontend.{name} -> flax_escale._frontend.{name}"
-        for name in (
-            "AxesPatterns",
-            "DeclaringMixin",
-            "InitOptions",
-            "Install",
-            "Overrides",
-            "apply_overrides",
-            "declare",
-            "record",
-            "unused_pattern_note",
-        )
-    ),
-    *(
-        f"flax_escale.{api}.{name} -> flax_escale.{name}"
-        for api in ("linen", "nnx")
-        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
-    ),
-]
-
-
 COMPAT_PACKAGES = ("flax_escale.t5x", "flax_escale.eformer")
 
-# t5x's and eformer's vocabularies: every name that moved out of the core (the core's renamed
-# functions included: their old names were eformer's), and the compatibility-only ones; not
-# the front ends' entry points, which moved up to the top level.
+# t5x's and eformer's vocabularies: the names those projects give their functions and types,
+# which only flax_escale.t5x and flax_escale.eformer may define.
 COMPAT_VOCABULARY = {
-    move.split(" -> ")[0].rpartition(".")[2]
-    for move in MOVED
-    if move.startswith(("flax_escale.mesh.", "flax_escale.axes.", "flax_escale.sharding."))
-    and " -> flax_escale.plan." not in move
-    and " -> flax_escale.axes." not in move
-} | {
+    "AxisNames",
+    "LocalChunkInfo",
+    "LocalChunker",
+    "MeshPartitionHelper",
+    "ShardingAnalysis",
+    "analyze_sharding_strategy",
+    "auto_partition_spec",
+    "create_pattern_based_partition_spec",
+    "extract_shardings",
+    "get_axes_size_in_mesh",
+    "get_incontext_mesh",
+    "get_mesh_axis_names",
+    "get_mesh_axis_size",
+    "get_names_from_partition_spec",
+    "get_partition_spec",
+    "get_submesh_device_index",
+    "match_partition_rules",
+    "names_in_current_mesh",
+    "standard_logical_axis_rules",
     "PartitionManager",
     "extract_sharding_structure",
     "get_shardings_with_structure",
@@ -468,41 +424,6 @@ def test_core_modules_do_not_import_the_compatibility_namespaces():
                 targets = [t for t in targets if t not in COMPAT_PACKAGES]
             offending = [t for t in targets if t.startswith(COMPAT_PACKAGES)]
             assert not offending, f"{path.relative_to(root)} imports {offending}"
-
-
-@pytest.mark.parametrize("move", MOVED)
-def test_a_moved_name_warns_and_gives_the_object_at_its_new_place(move):
-    import re
-
-    (old, _, name), (new, _, new_name) = (path.rpartition(".") for path in move.split(" -> "))
-    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-    assert name not in old_module.__all__
-    assert name not in vars(old_module)
-    place = re.escape(f"{old}.{name} is deprecated") + ".*" + re.escape(f"use {new}.{new_name}")
-    with pytest.warns(DeprecationWarning, match=place):
-        found = getattr(old_module, name)
-    assert found is getattr(new_module, new_name)
-    with pytest.warns(DeprecationWarning, match=place):
-        exec(f"from {old} import {name} as imported", namespace := {})
-    assert namespace["imported"] is found
-
-
-def test_renamed_core_functions_point_to_the_eformer_signature_too():
-    from flax_escale import mesh, sharding
-
-    for module, name in ((mesh, "get_incontext_mesh"), (sharding, "auto_partition_spec")):
-        with pytest.warns(DeprecationWarning, match=rf"flax_escale\.eformer\.{name}"):
-            getattr(module, name)
-    with pytest.warns(DeprecationWarning, match=r"flax_escale\.eformer\.match_partition_rules"):
-        sharding.match_partition_rules  # noqa: B018
-
-
-def test_an_unknown_name_is_still_an_attribute_error():
-    from flax_escale import axes, mesh, sharding
-
-    for module in (axes, mesh, sharding):
-        with pytest.raises(AttributeError, match=rf"module '{module.__name__}' has no attribute"):
-            module.no_such_name  # noqa: B018
 
 
 def test_importing_the_library_leaves_orbax_unimported():

@@ -32,7 +32,7 @@ NAMESPACES = (
     "flax_escale.linen",
     "flax_escale.nnx",
     "flax_escale.moe",
-    "flax_escale.planning",
+    "flax_escale.sizing",
     "flax_escale.tools",
     "flax_escale.testing",
     "flax_escale.mesh",

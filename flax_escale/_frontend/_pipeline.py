@@ -29,7 +29,7 @@ from flax_escale.mesh._context import with_auto_axes
 from flax_escale.plan._annotation import Annotation
 from flax_escale.plan._plan import USE_IDLE_AXES, ShardingPlan, plan_checked
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._use_sharding import sharding_context
 
 __all__ = [
     "FrontEnd",

@@ -19,7 +19,7 @@ from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.sharding import spec_from_shape, specs_from_regex
-from flax_escale.sharding._rules import (
+from flax_escale.sharding._regex_rules import (
     PartitionRuleError,
     as_rule_spec,
     checked_min_size,

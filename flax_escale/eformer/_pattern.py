@@ -17,7 +17,7 @@ from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import enforce
-from flax_escale.sharding._rules import (
+from flax_escale.sharding._regex_rules import (
     PartitionRuleError,
     as_rule_spec,
     check_rule_spec,

@@ -17,7 +17,6 @@ Example:
 """
 
 from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
-from flax_escale._moved import moved_names as _moved_names
 from flax_escale.linen._annotate import ShardedMixin
 from flax_escale.linen._init import init_train_state
 from flax_escale.linen._train import jit_train_step
@@ -29,13 +28,3 @@ __all__ = [
     "init_train_state",
     "jit_train_step",
 ]
-
-# One entry point serves both Flax APIs (it tells them apart by the model); the Linen-only
-# copies work for one more release, with a DeprecationWarning.
-__getattr__ = _moved_names(
-    __name__,
-    {
-        name: f"flax_escale.{name}; it takes Linen and NNX models alike"
-        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
-    },
-)

@@ -29,7 +29,7 @@ from flax_escale.plan._paths import is_box
 from flax_escale.plan._paths import unbox as unbox_leaf
 from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._use_sharding import sharding_context
 
 __all__ = ["FRONT_END", "LinenFrontEnd", "init_train_state"]
 

@@ -1,6 +1,5 @@
 """Layer 1: device meshes, the devices they are built from, and the current mesh."""
 
-from flax_escale._moved import moved_names as _moved_names
 from flax_escale.mesh._agreement import assert_same_mesh
 from flax_escale.mesh._cluster import ClusterInfo, detect_cluster
 from flax_escale.mesh._context import current_mesh, with_auto_axes
@@ -39,22 +38,3 @@ __all__ = [
     "resolve_axis_dims",
     "with_auto_axes",
 ]
-
-# t5x's and eformer's names moved to their namespaces, the current mesh is current_mesh and
-# a spec entry's axes are axes.MeshAxes;
-# the old names work for one more release, with a DeprecationWarning.
-__getattr__ = _moved_names(
-    __name__,
-    {
-        "MeshAxisNames": "flax_escale.axes.MeshAxes; one name for what a spec entry holds",
-        "LocalChunkInfo": "flax_escale.t5x.LocalChunkInfo",
-        "LocalChunker": "flax_escale.t5x.LocalChunker",
-        "get_axes_size_in_mesh": "flax_escale.eformer.get_axes_size_in_mesh",
-        "get_incontext_mesh": "flax_escale.mesh.current_mesh; eformer's "
-        "get_incontext_mesh(raise_error=) is flax_escale.eformer.get_incontext_mesh",
-        "get_mesh_axis_names": "flax_escale.eformer.get_mesh_axis_names",
-        "get_mesh_axis_size": "flax_escale.eformer.get_mesh_axis_size",
-        "get_submesh_device_index": "flax_escale.eformer.get_submesh_device_index",
-        "names_in_current_mesh": "flax_escale.eformer.names_in_current_mesh",
-    },
-)

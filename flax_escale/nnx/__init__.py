@@ -13,7 +13,6 @@ Example:
 """
 
 from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
-from flax_escale._moved import moved_names as _moved_names
 from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, stacked
 from flax_escale.nnx._init import init_optimizer
 from flax_escale.nnx._stack import stack_layers
@@ -27,13 +26,3 @@ __all__ = [
     "stack_layers",
     "stacked",
 ]
-
-# One entry point serves both Flax APIs (it tells them apart by the model); the NNX-only
-# copies work for one more release, with a DeprecationWarning.
-__getattr__ = _moved_names(
-    __name__,
-    {
-        name: f"flax_escale.{name}; it takes Linen and NNX models alike"
-        for name in ("init_sharded", "lower_init", "plan_sharding", "sharded_module")
-    },
-)

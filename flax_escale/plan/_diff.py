@@ -73,7 +73,7 @@ class PlanDiff:
 
     def rows(self) -> list[tuple[str, ...]]:
         """One row of text per change: path, what, spec and bytes per device before and after."""
-        from flax_escale.plan._plan import format_bytes
+        from flax_escale._units import format_bytes
 
         def spec(entry: PlanEntry | None) -> str:
             return "-" if entry is None else str(entry.spec)

@@ -22,7 +22,7 @@ __all__ = ["explain_entry", "source_of"]
 
 def explain_entry(plan: ShardingPlan, entry: PlanEntry) -> str:
     """The explanation of ``entry``'s spec in ``plan``, as lines of text (see ``explain``)."""
-    from flax_escale.plan._plan import format_bytes  # (the plan module imports this one)
+    from flax_escale._units import format_bytes
 
     mesh = plan.mesh
     sizes = dict(mesh.shape)

@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale._units import format_bytes
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan._annotation import Annotation
@@ -50,7 +51,6 @@ __all__ = [
     "ShardingPlan",
     "UnknownPathError",
     "build_plan",
-    "format_bytes",
     "plan_checked",
     "unknown_path_message",
 ]
@@ -427,14 +427,6 @@ class ShardingPlan:
             + f"{len(self.unannotated)} unannotated"
         )
         return "\n".join([*(line.rstrip() for line in lines), footer, *self.notes])
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` in B, KiB, MiB, GiB or TiB, for tables and messages."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    power = min(int(math.log(max(nbytes, 1), 1024)), len(units) - 1)
-    digits = 0 if power == 0 else 2
-    return f"{nbytes / 1024**power:.{digits}f} {units[power]}"
 
 
 def build_plan(

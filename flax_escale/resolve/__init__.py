@@ -1,6 +1,5 @@
 """Layer 3: logical axes (+ shape and mesh) to ``PartitionSpec``."""
 
-from flax_escale._moved import moved_names as _moved_names
 from flax_escale.resolve._complete import Completion, complete_spec
 from flax_escale.resolve._fit import Correction, fit_spec
 from flax_escale.resolve._logical import (
@@ -27,11 +26,3 @@ __all__ = [
     "logical_to_mesh_axes",
     "resolve_logical_axes",
 ]
-
-__getattr__ = _moved_names(
-    __name__,
-    {
-        "resolve_mesh_axes": "flax_escale.resolve.fit_mesh_axes; renamed: it fits a spec given in "
-        "mesh axes, there are no logical names to resolve",
-    },
-)

@@ -15,7 +15,7 @@ from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.resolve import Resolution, enforce, fit_mesh_axes
 from flax_escale.resolve._fit import Correction
-from flax_escale.sharding._context import no_mesh_in_this_thread
+from flax_escale.sharding._use_sharding import no_mesh_in_this_thread
 
 __all__ = ["apply_spec", "enforce_unconstrained", "with_sharding_constraint"]
 

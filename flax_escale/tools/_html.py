@@ -24,10 +24,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
+from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError
 from flax_escale.plan._explain import explain_entry
 from flax_escale.plan._leaves import _in_opt_state
-from flax_escale.plan._plan import PlanEntry, ShardingPlan, format_bytes
+from flax_escale.plan._plan import PlanEntry, ShardingPlan
 from flax_escale.sharding._measure import device_blocks, device_ids
 from flax_escale.tools._picture import memory_by_device
 

@@ -13,9 +13,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from flax_escale import _checks as check
+from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
-from flax_escale.plan._plan import format_bytes
 from flax_escale.tools._reshardings import Resharding, compile_collecting, summarize
 
 __all__ = ["MemoryEstimate", "will_it_fit"]

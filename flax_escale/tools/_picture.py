@@ -24,9 +24,10 @@ from rich.text import Text
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
+from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.plan._leaves import _in_opt_state
-from flax_escale.plan._plan import PlanEntry, ShardingPlan, format_bytes
+from flax_escale.plan._plan import PlanEntry, ShardingPlan
 from flax_escale.sharding._measure import device_blocks, device_ids, elements_per_device
 
 __all__ = [

@@ -15,10 +15,11 @@ from rich.table import Table
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.plan import annotated_leaves, arrays_only
-from flax_escale.plan._plan import ShardingPlan, build_plan, format_bytes
+from flax_escale.plan._plan import ShardingPlan, build_plan
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.resolve._fit import Correction
 from flax_escale.sharding import spec_from_shape

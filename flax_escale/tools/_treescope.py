@@ -20,8 +20,9 @@ from jax.sharding import AxisType, NamedSharding
 from treescope import ndarray_adapters, rendering_parts, type_registries
 from treescope.external import jax_support
 
+from flax_escale._units import format_bytes
 from flax_escale.mesh import with_auto_axes
-from flax_escale.plan._plan import ShardingPlan, format_bytes
+from flax_escale.plan._plan import ShardingPlan
 from flax_escale.tools._picture import LayoutPicture, layout_picture, memory_bars
 
 __all__ = ["picture_part", "plan_part", "register_treescope"]

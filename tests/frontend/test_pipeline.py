@@ -21,8 +21,8 @@ from support import MESHES
 import flax_escale as fe
 from flax_escale import _checks
 from flax_escale.linen import init_train_state
-from flax_escale.planning import Workload
 from flax_escale.resolve import _rules
+from flax_escale.sizing import Workload
 
 
 @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})

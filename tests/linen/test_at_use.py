@@ -12,7 +12,7 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.linen._at_use import data_axes
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 part = nn.with_logical_partitioning
 

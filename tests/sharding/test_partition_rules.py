@@ -49,7 +49,7 @@ def test_min_size_leaves_small_arrays_unsharded():
 
 
 def test_min_size_none_is_the_default_minimum():
-    from flax_escale.sharding._rules import DEFAULT_MIN_SIZE
+    from flax_escale.sharding._regex_rules import DEFAULT_MIN_SIZE
 
     tree = {"big": np.zeros((128, 128)), "small": np.zeros((127, 128))}
     assert DEFAULT_MIN_SIZE == 128 * 128

@@ -23,8 +23,8 @@ _CHILD = textwrap.dedent(
     import jax
     jax.config.update("jax_num_cpu_devices", {devices})
     from flax_escale.mesh import Target
-    from flax_escale.planning._evaluate import _prune
-    from flax_escale.planning._workload import lower_step
+    from flax_escale.sizing._evaluate import _prune
+    from flax_escale.sizing._workload import lower_step
     from flax_escale.tools._reshardings import compile_collecting
 
     sys.path[:0] = [{tests!r}, {folder!r}]

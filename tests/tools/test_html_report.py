@@ -31,10 +31,10 @@ from support.permissions import permission_bits_apply
 import flax_escale as fe
 from flax_escale.__main__ import main
 from flax_escale._specs import mesh_axes_of
-from flax_escale.planning import Workload
-from flax_escale.planning._state_plan import train_state_plan
-from flax_escale.planning._workload import _linen_state
 from flax_escale.sharding._measure import device_blocks
+from flax_escale.sizing import Workload
+from flax_escale.sizing._state_plan import train_state_plan
+from flax_escale.sizing._workload import _linen_state
 from flax_escale.tools import memory_by_device
 from flax_escale.tools._html import MARKER, page_data, render_html, write_html
 

@@ -18,7 +18,7 @@ from treescope.external import jax_support
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale.plan._plan import format_bytes
+from flax_escale._units import format_bytes
 from flax_escale.sharding._measure import device_blocks
 from flax_escale.tools import (
     LayoutPicture,

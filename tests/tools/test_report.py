@@ -13,7 +13,7 @@ from rich.console import Console
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale.plan._plan import format_bytes
+from flax_escale._units import format_bytes
 
 
 @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})

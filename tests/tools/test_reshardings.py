@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale.planning._evaluate import Figures
+from flax_escale.sizing._evaluate import Figures
 from flax_escale.tools import Resharding
 from flax_escale.tools._reshardings import (
     _standard_error_captured,

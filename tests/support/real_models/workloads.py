@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 import flax_escale as fe
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 from support.example_modules import load
 from support.real_models import gemma_model as gm
 from support.real_models import lm1b_model as lm

@@ -18,8 +18,8 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._api import front_end
 from flax_escale._frontend import _pipeline as pipeline
-from flax_escale._frontend._entry import front_end
 from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._overrides import Overrides
 from flax_escale.errors import EscaleError, EscaleTypeError
@@ -30,7 +30,7 @@ from flax_escale.plan import ShardingPlan
 from flax_escale.plan._optimizer import shardings_checked
 from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike
-from flax_escale.sharding._context import sharding_context
+from flax_escale.sharding._use_sharding import sharding_context
 from flax_escale.tools._data import batch_sharding
 
 __all__ = ["Programs", "Workload", "lower_programs", "lower_step", "mean_square"]

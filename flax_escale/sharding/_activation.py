@@ -20,7 +20,7 @@ from flax_escale.resolve import (
     resolve_logical_axes,
 )
 from flax_escale.sharding._constraint import apply_spec, enforce_unconstrained
-from flax_escale.sharding._context import no_mesh_in_this_thread
+from flax_escale.sharding._use_sharding import no_mesh_in_this_thread
 
 __all__ = ["constrain"]
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from support import EXAMPLES, ROOT
 from support.reshardings import step_reshardings
 
-from flax_escale.planning import mesh_shapes
+from flax_escale.sizing import mesh_shapes
 from flax_escale.tools._reshardings import compile_collecting
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]

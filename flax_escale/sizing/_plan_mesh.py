@@ -38,12 +38,12 @@ from flax_escale import errors as error_types
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import Target
-from flax_escale.planning._candidates import checked_axes
-from flax_escale.planning._evaluate import TRACE_FAILURE, Figures, evaluate
-from flax_escale.planning._profiles import HardwareProfile, hardware_profile, parse_bytes
-from flax_escale.planning._result import MeshPlan
-from flax_escale.planning._workload import Workload
 from flax_escale.resolve import as_logical_rules
+from flax_escale.sizing._candidates import checked_axes
+from flax_escale.sizing._evaluate import TRACE_FAILURE, Figures, evaluate
+from flax_escale.sizing._profiles import HardwareProfile, hardware_profile, parse_bytes
+from flax_escale.sizing._result import MeshPlan
+from flax_escale.sizing._workload import Workload
 from flax_escale.tools._reshardings import LOG_VAR
 
 __all__ = ["DEFAULT_CACHE", "load_factory", "plan_mesh"]
@@ -85,7 +85,7 @@ def plan_mesh(
     per-device peak memory (``memory_analysis()``, temporaries included), FLOPs and the bytes
     each collective moves per step (loop trips counted). A mesh whose train state alone
     exceeds the budget is not compiled. The meshes that fit are ranked by an estimated step
-    time on ``profile`` (:data:`~flax_escale.planning.ESTIMATE_TERMS` says which terms), each
+    time on ``profile`` (:data:`~flax_escale.sizing.ESTIMATE_TERMS` says which terms), each
     with what explains it (compute- or communication-bound, the collective that dominates,
     tokens per device against the compute-bound threshold). Meshes are compiled in the order
     of their communication by the scaling book's counts; one whose textbook communication alone
@@ -117,7 +117,7 @@ def plan_mesh(
         memory: One device's memory budget: bytes, or a size like ``"16GiB"``. Defaults to
             the TPU chip's memory, then to the profile's.
         profile: A hardware profile or the name of a built-in one
-            (:data:`~flax_escale.planning.PROFILES`); defaults to the TPU chip's, and to
+            (:data:`~flax_escale.sizing.PROFILES`); defaults to the TPU chip's, and to
             ``"h100"`` for the CPU simulation.
         axes: The mesh axes to spread the devices over, distinct axes of the library's mesh;
             defaults to ``dp, fsdp, tp, sp`` and ``ep`` when a variable has a logical axis the
@@ -132,7 +132,7 @@ def plan_mesh(
         progress: Show a progress bar (on standard error, or on the ``rich`` console given).
 
     Returns:
-        The :class:`~flax_escale.planning.MeshPlan`: ``best``, ``fitting``, ``candidates``,
+        The :class:`~flax_escale.sizing.MeshPlan`: ``best``, ``fitting``, ``candidates``,
         ``table()``, ``recommendation()``.
 
     Raises:
@@ -149,7 +149,7 @@ def plan_mesh(
     if isinstance(workload, (nn.Module, nnx.Module)):  # callable, but not a factory
         raise EscaleTypeError(
             f"workload: got the model {type(workload).__name__} itself; pass a "
-            "flax_escale.planning.Workload(model, rng, batch, tx=...), or a function without "
+            "flax_escale.sizing.Workload(model, rng, batch, tx=...), or a function without "
             "arguments that returns one."
         )
     chosen = Target.named(target, devices=devices, slices=slices)
@@ -290,7 +290,7 @@ def load_factory(reference: str) -> Factory:
     if not callable(factory):
         raise EscaleTypeError(
             f"workload: {module_name!r} has no function {attribute!r} (of {reference!r}); "
-            "name a function without arguments that returns a flax_escale.planning.Workload."
+            "name a function without arguments that returns a flax_escale.sizing.Workload."
         )
     return factory
 
@@ -338,11 +338,11 @@ def _build(workload: Workload | Factory | str) -> Workload:
         if not isinstance(workload, Workload):
             raise EscaleTypeError(
                 f"workload: the factory {name!r} returned {check.describe(workload)}, not a "
-                "flax_escale.planning.Workload; return Workload(model, rng, batch, tx=...)."
+                "flax_escale.sizing.Workload; return Workload(model, rng, batch, tx=...)."
             )
     if not isinstance(workload, Workload):
         raise EscaleTypeError(
-            f"workload must be a flax_escale.planning.Workload (or a function returning one), "
+            f"workload must be a flax_escale.sizing.Workload (or a function returning one), "
             f"got {check.describe(workload)}."
         )
     return workload
@@ -556,7 +556,7 @@ def _run(
     errors: list[str],
 ) -> int:
     with subprocess.Popen(
-        [sys.executable, "-m", "flax_escale.planning._child"],
+        [sys.executable, "-m", "flax_escale.sizing._child"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

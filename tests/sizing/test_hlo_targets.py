@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 from support.example_modules import load
 
 import flax_escale as fe
-from flax_escale.planning._hlo import Rewrite, program_costs
-from flax_escale.planning._hlo_rewrites import SLICED, WINDOWED
-from flax_escale.planning._workload import lower_programs
+from flax_escale.sizing._hlo._reader import Rewrite, program_costs
+from flax_escale.sizing._hlo._rewrites import SLICED, WINDOWED
+from flax_escale.sizing._workload import lower_programs
 
 N = 8
 MESHES = {"dp": (8, 1, 1, 1, 1), "fsdp": (1, 8, 1, 1, 1), "tp": (1, 1, 1, 8, 1)}

@@ -1,6 +1,6 @@
-"""The child process in which :func:`~flax_escale.planning.plan_mesh` has more devices.
+"""The child process in which :func:`~flax_escale.sizing.plan_mesh` has more devices.
 
-Started as ``python -m flax_escale.planning._child`` with the request as JSON on standard
+Started as ``python -m flax_escale.sizing._child`` with the request as JSON on standard
 input; it stays on the CPU platform and, for a CPU target, gives itself the requested number of
 simulated CPU devices before JAX starts,
 builds the workload from its reference, and writes each event of the evaluation as one line of
@@ -31,9 +31,9 @@ def main() -> int:
         jax.config.update("jax_num_cpu_devices", target.device_count)
 
     from flax_escale.errors import EscaleError
-    from flax_escale.planning._evaluate import Figures, evaluate
-    from flax_escale.planning._plan import EVENT_PREFIX, _build, frozen_rules
-    from flax_escale.planning._profiles import HardwareProfile
+    from flax_escale.sizing._evaluate import Figures, evaluate
+    from flax_escale.sizing._plan_mesh import EVENT_PREFIX, _build, frozen_rules
+    from flax_escale.sizing._profiles import HardwareProfile
 
     def report(event: dict[str, Any]) -> None:
         print(EVENT_PREFIX + json.dumps(event), flush=True)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale.plan import ShardingPlan
-from flax_escale.planning._profiles import HardwareProfile
+from flax_escale.sizing._profiles import HardwareProfile
 
 __all__ = [
     "ESTIMATE_TERMS",
@@ -54,8 +54,8 @@ def estimate_seconds(
         profile: The hardware.
 
     Example:
-        >>> from flax_escale.planning import PROFILES
-        >>> from flax_escale.planning._estimate import estimate_seconds
+        >>> from flax_escale.sizing import PROFILES
+        >>> from flax_escale.sizing._estimate import estimate_seconds
         >>> h100 = PROFILES["h100"]
         >>> compute, talk = estimate_seconds(989e12, 0, {"all-reduce": (1, 0, 450e9)}, h100)
         >>> round(compute, 6), round(talk, 6)
@@ -136,8 +136,8 @@ def explain(
     bandwidth (data and fully-sharded parallelism are compute-bound only above it).
 
     Example:
-        >>> from flax_escale.planning import PROFILES
-        >>> from flax_escale.planning._estimate import explain
+        >>> from flax_escale.sizing import PROFILES
+        >>> from flax_escale.sizing._estimate import explain
         >>> explain(2e-3, 1e-3, {"all-gather": (4, 0, 3e6), "all-reduce": (1, 0, 1e6)}, 4096,
         ...         PROFILES["tpu-v5e"])
         'compute-bound (67%); all-gather sends 75% of the bytes; 4,096 tokens/device, above the 985 of 197 TFLOP/s over 200 GB/s'

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from flax_escale.planning._hlo_text import Computation, Instruction, Module
+from flax_escale.sizing._hlo._text import Computation, Instruction, Module
 
 __all__ = ["trip_count"]
 

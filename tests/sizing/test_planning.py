@@ -32,8 +32,8 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.__main__ import main
-from flax_escale.plan._plan import format_bytes
-from flax_escale.planning import (
+from flax_escale._units import format_bytes
+from flax_escale.sizing import (
     ESTIMATE_TERMS,
     PROFILES,
     HardwareProfile,
@@ -45,10 +45,10 @@ from flax_escale.planning import (
     parse_bytes,
     plan_mesh,
 )
-from flax_escale.planning import _plan as plan_module
-from flax_escale.planning import _workload as workload_module
-from flax_escale.planning._evaluate import Figures
-from flax_escale.planning._hlo import program_costs
+from flax_escale.sizing import _plan_mesh as plan_module
+from flax_escale.sizing import _workload as workload_module
+from flax_escale.sizing._evaluate import Figures
+from flax_escale.sizing._hlo._reader import program_costs
 
 AXES = ("fsdp", "tp")
 MiB = 2**20
@@ -711,7 +711,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 
 class Dense(nn.Module):
@@ -779,7 +779,7 @@ def test_a_child_compiles_and_reports_its_failures(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "building the broken workload" in err
     assert "Traceback" not in err
-    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.planning"):
+    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.sizing"):
         plan_mesh("tiny_planned:forty_two", devices=16, memory="1MiB", cache=False)
 
 
@@ -1213,7 +1213,7 @@ def test_the_command_lines_errors_name_the_option(argv, message, capsys, monkeyp
 
 
 def test_a_factory_that_fails_is_one_library_error_in_this_process(tmp_path):
-    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.planning"):
+    with pytest.raises(fe.EscaleTypeError, match=r"returned int 42, not a flax_escale.sizing"):
         plan_mesh(lambda: 42, devices=2, memory="1GiB")
 
     def needs_an_argument(width):

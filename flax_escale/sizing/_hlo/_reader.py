@@ -3,12 +3,12 @@
 A layer stack run with ``nn.scan`` / ``jax.lax.scan`` compiles to one ``while`` loop whose body
 holds each layer's all-gathers and matrix multiplications once; what a step moves and computes
 is that body's share times the loop's trip count (recorded by XLA:CPU, worked out from the
-loop's counter for the TPU compiler, which drops the record: :mod:`._hlo_loops`).
+loop's counter for the TPU compiler, which drops the record: :mod:`._loops`).
 
 FLOPs are counted from the program, not taken from XLA's ``cost_analysis()``: that counts a
 loop body once, on XLA:CPU and on the TPU compiler alike, so it undercounts a stacked model by
 its number of layers. Every ``dot`` and ``convolution`` counts (the TPU compiler writes matrix
-multiplications as convolutions inside fusions; :mod:`._hlo_flops`), in whatever computation it
+multiplications as convolutions inside fusions; :mod:`._flops`), in whatever computation it
 sits, times the trips of the loops around it; checked against ``6 x parameters x tokens`` plus
 attention's, exactly, on both compilers.
 
@@ -29,7 +29,7 @@ Compilers write the same collective in several forms; each is counted once, as w
   as what they are.
 
 Where a compiler writes a collective differently from the textbook's (the scaling book's
-per-strategy counts), :attr:`ProgramCosts.rewrites` says so (:mod:`._hlo_rewrites`): XLA:CPU,
+per-strategy counts), :attr:`ProgramCosts.rewrites` says so (:mod:`._rewrites`): XLA:CPU,
 for one, reduces FSDP gradients with an all-reduce whose result is then sliced, where the
 textbook reduce-scatters them. :attr:`ProgramCosts.collective_dtypes` says in which element
 types the bytes move: the TPU compiler, for one, gathers FSDP weights in bfloat16 (the type
@@ -44,10 +44,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from flax_escale.planning import _hlo_rewrites as rewrites
-from flax_escale.planning._hlo_flops import flops
-from flax_escale.planning._hlo_loops import trip_count
-from flax_escale.planning._hlo_text import (
+from flax_escale.sizing._hlo import _rewrites as rewrites
+from flax_escale.sizing._hlo._flops import flops
+from flax_escale.sizing._hlo._loops import trip_count
+from flax_escale.sizing._hlo._text import (
     Computation,
     Instruction,
     Module,
@@ -206,7 +206,7 @@ def program_costs(program: Any) -> ProgramCosts:
         mesh-axes form; empty means every device of the program).
 
     Example:
-        >>> from flax_escale.planning._hlo import program_costs
+        >>> from flax_escale.sizing._hlo._reader import program_costs
         >>> costs = program_costs('''
         ... HloModule m, num_partitions=4
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -240,7 +240,7 @@ def collective_bytes(program: Any) -> dict[str, int]:
         :func:`program_costs` counts them.
 
     Example:
-        >>> from flax_escale.planning._hlo import collective_bytes
+        >>> from flax_escale.sizing._hlo._reader import collective_bytes
         >>> collective_bytes('''
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
         ...   %ag = f32[64]{0} all-gather(%x), dimensions={0}

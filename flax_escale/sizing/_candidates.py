@@ -27,7 +27,7 @@ def mesh_shapes(devices: int, axes: Sequence[str] = PLANNED_AXES) -> list[dict[s
         fixed order: most devices on the earliest axes first.
 
     Example:
-        >>> from flax_escale.planning import mesh_shapes
+        >>> from flax_escale.sizing import mesh_shapes
         >>> [tuple(s.values()) for s in mesh_shapes(4, ("fsdp", "tp"))]
         [(1, 4, 1, 1, 1), (1, 2, 1, 2, 1), (1, 1, 1, 4, 1)]
     """

@@ -1,6 +1,6 @@
 """Mistakes users make with the mesh planner, one case each.
 
-Cases for ``flax_escale.planning``: a ``Workload``'s ``loss`` and ``step`` (their signatures,
+Cases for ``flax_escale.sizing``: a ``Workload``'s ``loss`` and ``step`` (their signatures,
 checked when the workload is built, and what they return, checked as the step traces),
 ``plan_mesh``'s budget, ``MeshPlan.table``, ``Candidate.explain`` and ``load_factory``. What a
 case asserts, and the rest of the table: ``support/mistakes.py``. The cache directory's
@@ -19,8 +19,8 @@ from support.mistakes import MISTAKE, T, case, raises_a_library_error
 from support.permissions import permission_bits_apply
 
 import flax_escale as fe
-from flax_escale import planning
-from flax_escale.planning import _evaluate
+from flax_escale import sizing
+from flax_escale.sizing import _evaluate
 
 
 class _Tiny(nn.Module):
@@ -36,11 +36,11 @@ X = jax.ShapeDtypeStruct((8, 16), jnp.float32)
 
 
 def workload(**options):
-    return planning.Workload(_Tiny(), jax.random.key(0), (X,), tx=optax.sgd(0.1), **options)
+    return sizing.Workload(_Tiny(), jax.random.key(0), (X,), tx=optax.sgd(0.1), **options)
 
 
 def nnx_workload(**options):
-    return planning.Workload(
+    return sizing.Workload(
         lambda rngs: nnx.Linear(16, 32, rngs=rngs),
         0,
         tx=optax.sgd(0.1),
@@ -52,7 +52,7 @@ def nnx_workload(**options):
 def plan(built=None, **options):
     """Plans ``built`` (the tiny workload by default) on 2 devices, no cache."""
     options = {"devices": 2, "memory": "1MiB", "axes": ("fsdp",), "cache": False, **options}
-    return planning.plan_mesh(workload() if built is None else built, **options)
+    return sizing.plan_mesh(workload() if built is None else built, **options)
 
 
 @functools.cache
@@ -225,7 +225,7 @@ CASES = [
         id="Workload-init-kwargs-int",
     ),
     case(
-        lambda: planning.HardwareProfile(3, 1e12, 1e9),
+        lambda: sizing.HardwareProfile(3, 1e12, 1e9),
         T,
         "HardwareProfile name",
         "int 3",
@@ -268,7 +268,7 @@ CASES = [
     ),
     # --- a factory's reference -------------------------------------------------------------
     case(
-        lambda: planning.load_factory(3),
+        lambda: sizing.load_factory(3),
         T,
         "workload",
         "int 3",
@@ -285,7 +285,7 @@ def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argum
 
 def test_explain_takes_a_profile_or_its_name():
     best = planned().best
-    assert best.explain("h100") == best.explain(planning.PROFILES["h100"])
+    assert best.explain("h100") == best.explain(sizing.PROFILES["h100"])
 
 
 # --- the cache directory --------------------------------------------------------------------
@@ -348,7 +348,7 @@ def test_rules_naming_an_axis_the_meshes_lack_are_the_reason_given(monkeypatch):
 def test_every_mesh_pruned_is_not_said_to_be_out_of_memory():
     # A batch of 3 splits over no mesh of 2 devices: nothing was compiled, so no figure says
     # anything about memory.
-    odd = planning.Workload(
+    odd = sizing.Workload(
         _Tiny(), jax.random.key(0), (jax.ShapeDtypeStruct((3, 16), jnp.float32),), tx=optax.sgd(0.1)
     )
     result = plan(odd)
@@ -370,7 +370,7 @@ class _Dropping(nn.Module):
 def test_a_linen_model_drawing_random_numbers_plans_with_the_workloads_rng(rng):
     # As init_sharded(model, mesh, 0, x) initializes it, the default step gives the model's
     # streams the Workload's rng.
-    built = planning.Workload(_Dropping(), rng, (X,), tx=optax.sgd(0.1))
+    built = sizing.Workload(_Dropping(), rng, (X,), tx=optax.sgd(0.1))
     result = plan(built)
     assert [c.figures.status for c in result.candidates] == ["compiled"]
     assert result.best is not None
@@ -389,7 +389,7 @@ def test_a_step_that_gives_the_model_no_key_says_so():
         match=FAILED + r".*Workload step: the model draws random numbers the step gives it no "
         r"key for \(.*dropout.*\); call the model with keys",
     ):
-        plan(planning.Workload(_Dropping(), 0, (X,), tx=optax.sgd(0.1), step=step))
+        plan(sizing.Workload(_Dropping(), 0, (X,), tx=optax.sgd(0.1), step=step))
 
 
 def test_a_module_that_raises_as_it_is_imported_is_one_library_error(tmp_path):
@@ -400,5 +400,5 @@ def test_a_module_that_raises_as_it_is_imported_is_one_library_error(tmp_path):
         match=r"workload: importing '.*planning_raises_on_import_7731.py' of .* raised "
         r"RuntimeError: no GPU here; fix the module",
     ) as caught:
-        planning.load_factory(f"{module}:workload")
+        sizing.load_factory(f"{module}:workload")
     assert isinstance(caught.value.__cause__, RuntimeError)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.planning._hlo import program_costs
+from flax_escale.sizing._hlo._reader import program_costs
 
 __all__ = ["PROFILES", "HardwareProfile", "hardware_profile", "measure_cpu_profile", "parse_bytes"]
 
@@ -88,7 +88,7 @@ def hardware_profile(profile: str | HardwareProfile) -> HardwareProfile:
         EscaleTypeError: For anything else.
 
     Example:
-        >>> from flax_escale.planning import hardware_profile
+        >>> from flax_escale.sizing import hardware_profile
         >>> hardware_profile("h100").flops_per_second
         989000000000000.0
     """
@@ -120,7 +120,7 @@ def parse_bytes(value: int | str, name: str = "memory") -> int:
         EscaleTypeError: If ``value`` is neither an int nor a string.
 
     Example:
-        >>> from flax_escale.planning import parse_bytes
+        >>> from flax_escale.sizing import parse_bytes
         >>> parse_bytes("16GiB"), parse_bytes("80GB"), parse_bytes(1024)
         (17179869184, 80000000000, 1024)
     """
@@ -146,7 +146,7 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
     device), an all-gather of 16 MiB (bytes each device sends per second, as
-    ``flax_escale.planning._hlo`` counts them), an all-reduce of one value per device
+    ``flax_escale.sizing._hlo._reader`` counts them), an all-reduce of one value per device
     (latency) and an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:

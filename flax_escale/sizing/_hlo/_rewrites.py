@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from flax_escale.planning._hlo_text import (
+from flax_escale.sizing._hlo._text import (
     Computation,
     Instruction,
     Module,

@@ -22,8 +22,8 @@ import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
 from flax_escale.mesh import Target
-from flax_escale.planning import plan_mesh
-from flax_escale.planning._hlo import program_costs
+from flax_escale.sizing import plan_mesh
+from flax_escale.sizing._hlo._reader import program_costs
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from flax_escale.plan import annotated_leaves, build_plan
 from flax_escale.plan._plan import ShardingPlan
-from flax_escale.planning._workload import Workload, _linen_state, _nnx_state
+from flax_escale.sizing._workload import Workload, _linen_state, _nnx_state
 
 __all__ = ["train_state_plan"]
 
@@ -18,7 +18,7 @@ def train_state_plan(workload: Workload, mesh: Mesh) -> ShardingPlan:
 
     The parameters are the workload's own plan (annotations, rules replayed, corrections);
     the optimizer state and step counter follow, each with the sharding the training step
-    that :func:`~flax_escale.planning.plan_mesh` compiles gives it (``shard_over`` included),
+    that :func:`~flax_escale.sizing.plan_mesh` compiles gives it (``shard_over`` included),
     under paths ``opt_state/...`` and ``step``.
 
     Args:
@@ -29,15 +29,15 @@ def train_state_plan(workload: Workload, mesh: Mesh) -> ShardingPlan:
         One plan of parameters, then optimizer state.
 
     Raises:
-        EscaleError: As :func:`~flax_escale.planning.plan_mesh` raises for the workload (a
+        EscaleError: As :func:`~flax_escale.sizing.plan_mesh` raises for the workload (a
             Linen model with collections besides ``params``, say).
 
     Example:
         >>> import jax, optax
         >>> import flax.linen as nn
         >>> import flax_escale as fe
-        >>> from flax_escale.planning import Workload
-        >>> from flax_escale.planning._state_plan import train_state_plan
+        >>> from flax_escale.sizing import Workload
+        >>> from flax_escale.sizing._state_plan import train_state_plan
         >>> dense = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
         ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
         >>> work = Workload(dense, 0, (jax.ShapeDtypeStruct((2, 8), "float32"),),

@@ -11,11 +11,11 @@ from rich.table import Table
 from rich.text import Text
 
 from flax_escale import _checks as check
+from flax_escale._units import format_bytes
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
-from flax_escale.plan._plan import format_bytes
-from flax_escale.planning._estimate import ESTIMATE_TERMS, estimate_seconds, explain
-from flax_escale.planning._evaluate import Figures
-from flax_escale.planning._profiles import HardwareProfile, hardware_profile
+from flax_escale.sizing._estimate import ESTIMATE_TERMS, estimate_seconds, explain
+from flax_escale.sizing._evaluate import Figures
+from flax_escale.sizing._profiles import HardwareProfile, hardware_profile
 from flax_escale.tools._reshardings import summarize
 
 __all__ = ["ESTIMATE_TERMS", "Candidate", "MeshPlan"]
@@ -90,13 +90,13 @@ class Candidate:
         return cls(figures, peak <= memory_bytes, compute, communication)
 
     def explain(self, profile: HardwareProfile | str) -> str:
-        """Why its estimate is what it is (see ``flax_escale.planning._estimate.explain``).
+        """Why its estimate is what it is (see ``flax_escale.sizing._estimate.explain``).
 
         Empty for a mesh that was not compiled.
 
         Args:
             profile: The hardware the estimate is explained on: a :class:`HardwareProfile`,
-                or the name of a built-in one (:data:`~flax_escale.planning.PROFILES`).
+                or the name of a built-in one (:data:`~flax_escale.sizing.PROFILES`).
 
         Raises:
             EscaleError: For an unknown profile name.

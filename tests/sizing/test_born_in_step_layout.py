@@ -15,7 +15,7 @@ import pytest
 from support.example_modules import load
 
 from flax_escale.mesh import Target
-from flax_escale.planning._workload import lower_programs
+from flax_escale.sizing._workload import lower_programs
 
 pytestmark = pytest.mark.slow
 

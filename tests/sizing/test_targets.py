@@ -25,10 +25,10 @@ from flax_escale import linen as fel
 from flax_escale.__main__ import main
 from flax_escale.mesh import TPU_GENERATIONS, Target
 from flax_escale.mesh import _target as target_module
-from flax_escale.planning import Workload, plan_mesh
-from flax_escale.planning import _plan as plan_module
-from flax_escale.planning._estimate import RULE_OUT_MARGIN
-from flax_escale.planning._hlo import program_costs
+from flax_escale.sizing import Workload, plan_mesh
+from flax_escale.sizing import _plan_mesh as plan_module
+from flax_escale.sizing._estimate import RULE_OUT_MARGIN
+from flax_escale.sizing._hlo._reader import program_costs
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -53,7 +53,7 @@ def test_a_tpu_name_gives_its_topology_chips_and_memory(name, topology, chips, m
     target = Target.named(name)
     assert (target.platform, target.topology, target.device_count) == ("tpu", topology, chips)
     assert target.memory_bytes == memory
-    assert target.profile in fe.planning.PROFILES
+    assert target.profile in fe.sizing.PROFILES
     assert target.compiler_options == {}
     assert topology in target.label
     assert "TPU compiler" in target.label
@@ -127,7 +127,7 @@ def test_a_missing_tpu_compiler_names_the_extra(monkeypatch):
 
 def test_every_generation_names_a_profile_with_its_memory():
     for generation in TPU_GENERATIONS.values():
-        assert fe.planning.PROFILES[generation.profile].memory_bytes == generation.memory_bytes
+        assert fe.sizing.PROFILES[generation.profile].memory_bytes == generation.memory_bytes
 
 
 # --- one program, compiled for the target -------------------------------------------------------
@@ -261,7 +261,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flax_escale.planning import Workload
+from flax_escale.sizing import Workload
 
 HERE = Path(__file__)
 

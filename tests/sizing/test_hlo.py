@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_escale.planning._hlo import collective_bytes, program_costs
+from flax_escale.sizing._hlo._reader import collective_bytes, program_costs
 
 LAYERS, WIDTH = 4, 64
 

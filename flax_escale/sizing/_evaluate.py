@@ -18,17 +18,17 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target
 from flax_escale.plan import ShardingPlan
-from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
-from flax_escale.planning._estimate import (
+from flax_escale.resolve import as_logical_rules
+from flax_escale.sizing._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.sizing._estimate import (
     RULE_OUT_MARGIN,
     estimate_seconds,
     textbook_communication,
     tokens_per_device,
 )
-from flax_escale.planning._hlo import READER_VERSION, program_costs
-from flax_escale.planning._profiles import HardwareProfile
-from flax_escale.planning._workload import Workload, batch_shardings, lower_programs
-from flax_escale.resolve import as_logical_rules
+from flax_escale.sizing._hlo._reader import READER_VERSION, program_costs
+from flax_escale.sizing._profiles import HardwareProfile
+from flax_escale.sizing._workload import Workload, batch_shardings, lower_programs
 from flax_escale.tools._data import batch_resolution
 from flax_escale.tools._memory import will_it_fit
 from flax_escale.tools._reshardings import Resharding, compile_collecting
@@ -64,7 +64,7 @@ class Figures:
         compile_seconds: Seconds spent lowering and compiling (0 when cached).
         cached: Whether the figures came from the cache.
         textbook_seconds: Its collectives' time when the weights travel, by the textbook
-            (``flax_escale.planning._estimate.textbook_communication``).
+            (``flax_escale.sizing._estimate.textbook_communication``).
         tokens_per_device: Tokens of the batch each device computes on per step.
         reshardings: The arrays XLA's partitioner replicates in full to split them another
             way, in the init and the step: each costs an all-gather the layout did not ask

@@ -7,19 +7,19 @@ ranks the meshes that fit a per-device memory budget by a step time estimated on
 16GiB`` prints the same plan as a table.
 """
 
-from flax_escale.planning._candidates import PLANNED_AXES, mesh_shapes
-from flax_escale.planning._estimate import ESTIMATE_TERMS
-from flax_escale.planning._evaluate import Figures
-from flax_escale.planning._plan import load_factory, plan_mesh
-from flax_escale.planning._profiles import (
+from flax_escale.sizing._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.sizing._estimate import ESTIMATE_TERMS
+from flax_escale.sizing._evaluate import Figures
+from flax_escale.sizing._plan_mesh import load_factory, plan_mesh
+from flax_escale.sizing._profiles import (
     PROFILES,
     HardwareProfile,
     hardware_profile,
     measure_cpu_profile,
     parse_bytes,
 )
-from flax_escale.planning._result import Candidate, MeshPlan
-from flax_escale.planning._workload import Workload, mean_square
+from flax_escale.sizing._result import Candidate, MeshPlan
+from flax_escale.sizing._workload import Workload, mean_square
 
 __all__ = [
     "ESTIMATE_TERMS",

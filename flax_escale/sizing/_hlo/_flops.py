@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-from flax_escale.planning._hlo_text import Computation, Instruction, Module, elements
+from flax_escale.sizing._hlo._text import Computation, Instruction, Module, elements
 
 __all__ = ["flops"]
 
