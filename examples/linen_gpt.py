@@ -95,6 +95,36 @@ class Block(nn.Module):
         return fe.constrain(x, ACTIVATION), None
 
 
+def embed(c: Config, tokens: jax.Array) -> tuple[nn.Embed, jax.Array]:
+    """The token table and the embedded ``tokens``, made in the calling module's compact scope.
+
+    ``c`` is any configuration with ``vocab``, ``hidden`` and ``max_len``.
+    """
+    token = nn.Embed(c.vocab, c.hidden, name="token")
+    position = nn.Embed(c.max_len, c.hidden, name="position")
+    # As FSDP gathers any weight whole before its use, the tables are gathered over the axes
+    # that split their features before the lookup: a gather cannot keep the features split,
+    # and XLA would otherwise replicate what it looked up to split it again. The rows looked up
+    # keep their features whole too, so that the gradient's scatter-add lands in the table's
+    # vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then replicate the
+    # table's gradient to split its vocab).
+    table = fe.constrain(token.embedding, ("vocab", None))
+    x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
+    x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
+    return token, fe.constrain(x, ACTIVATION)
+
+
+def scanned(block: type[nn.Module], layers: int) -> type[nn.Module]:
+    """``block`` repeated ``layers`` times by ``nn.scan``, its parameters stacked on ``layers``."""
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
 @fe.sharded_module(
     {
         "token/embedding": ("vocab", "hidden_state"),
@@ -109,26 +139,8 @@ class Gpt(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        token = nn.Embed(c.vocab, c.hidden, name="token")
-        position = nn.Embed(c.max_len, c.hidden, name="position")
-        # As FSDP gathers any weight whole before its use, the tables are gathered over the
-        # axes that split their features before the lookup: a gather cannot keep the features
-        # split, and XLA would otherwise replicate what it looked up to split it again. The rows
-        # looked up keep their features whole too, so that the gradient's scatter-add lands in
-        # the table's vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then
-        # replicate the table's gradient to split its vocab).
-        table = fe.constrain(token.embedding, ("vocab", None))
-        x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
-        x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
-        x = fe.constrain(x, ACTIVATION)
-        stack = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = stack(c, name="blocks")(x, None)
+        token, x = embed(c, tokens)
+        x, _ = scanned(Block, c.layers)(c, name="blocks")(x, None)
         x = nn.LayerNorm(name="ln_final")(x)
         if c.tie_embeddings:
             logits = token.attend(x)

@@ -9,7 +9,7 @@ experts' kernels are annotated ``(expert, hidden_state, mlp_intermediate)``, so 
 slots are dropped, and the count is printed) or ``dropless``. The rules are
 ``PartitionAxis(ep_as_fsdp=True)``: outside the experts ``ep`` splits the batch and the other
 weights as ``fsdp`` does. ``moe_config`` holds the configurations, Mixtral 8x7B's and
-DeepSeekMoE 16B's among them for compile-only measurements (``bench/moe.py``).
+DeepSeekMoE 16B's among them for compile-only measurements (``bench/b10_moe.py``).
 """
 
 from __future__ import annotations
@@ -21,27 +21,16 @@ import jax.numpy as jnp
 import moe_config
 import optax
 from flax.training.train_state import TrainState
-from linen_gpt import Attention
-from moe_config import EXPERT_INIT, RULES, SMALL, Config
+from linen_gpt import ACTIVATION, Attention, embed, scanned
+from moe_config import EXPERT_INIT, MOE_AXES, RULES, SMALL, Config
 
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import moe
 from flax_escale.sizing import Workload
 
-ACTIVATION = ("batch", "sequence", "hidden_state")
-# Rows of an embedding table as looked up: the features whole (see the model's lookup).
-LOOKED_UP = ("batch", "sequence", None)
 
-
-@fe.sharded_module(
-    {
-        "router": ("hidden_state", "expert_gate"),
-        "wi_gate": moe.EXPERT_AXES["wi_gate"],
-        "wi_up": moe.EXPERT_AXES["wi_up"],
-        "wo": moe.EXPERT_AXES["wo"],
-    }
-)
+@fe.sharded_module(MOE_AXES)
 class Moe(nn.Module):
     """Routed SwiGLU experts (and shared ones): returns the output, aux loss, dropped count."""
 
@@ -118,21 +107,8 @@ class MoeDecoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         c = self.config
-        token = nn.Embed(c.vocab, c.hidden, name="token")
-        position = nn.Embed(c.max_len, c.hidden, name="position")
-        # Gathered over the axes that split the features before the lookup (see linen_gpt).
-        table = fe.constrain(token.embedding, ("vocab", None))
-        x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
-        x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
-        x = fe.constrain(x, ACTIVATION)
-        stack = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, (aux_loss, dropped) = stack(c, name="blocks")(x, None)
+        _, x = embed(c, tokens)
+        x, (aux_loss, dropped) = scanned(Block, c.layers)(c, name="blocks")(x, None)
         logits = nn.Dense(c.vocab, use_bias=False, name="head")(nn.RMSNorm(name="ln_final")(x))
         return fe.constrain(logits, ("batch", "sequence", "vocab")), aux_loss.mean(), dropped.sum()
 

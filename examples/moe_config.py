@@ -18,6 +18,14 @@ from flax_escale import moe
 RULES = fe.PartitionAxis(ep_as_fsdp=True)
 """Outside the experts, ``ep`` splits the batch and the other weights as ``fsdp`` does."""
 
+MOE_AXES = {
+    "router": ("hidden_state", "expert_gate"),
+    "wi_gate": moe.EXPERT_AXES["wi_gate"],
+    "wi_up": moe.EXPERT_AXES["wi_up"],
+    "wo": moe.EXPERT_AXES["wo"],
+}
+"""The MoE layer's parameters: the router's kernel, and the experts' on ``expert`` first."""
+
 EXPERT_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", 1, 2, 0)
 """Each expert initialized as its own dense layer: the fan-in is the kernels' middle dimension."""
 

@@ -118,13 +118,27 @@ class Block(nnx.Module):
         return fe.constrain(x, ACTIVATION)
 
 
-@fe.sharded_module(
-    {
-        "embed/embedding": ("vocab", "hidden_state"),
-        "final_norm/scale": ("hidden_state",),
-        "lm_head/kernel": ("hidden_state", "vocab"),
-    }
-)
+# The decoder's own parameters: the embedding table, the final norm, the output head.
+DECODER_AXES = {
+    "embed/embedding": ("vocab", "hidden_state"),
+    "final_norm/scale": ("hidden_state",),
+    "lm_head/kernel": ("hidden_state", "vocab"),
+}
+
+
+def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
+    """The rows of ``embed``'s table for ``tokens``, as the activations between blocks."""
+    # As FSDP gathers any weight whole before its use, the table is gathered over the axes
+    # that split its features before the lookup: a gather cannot keep the features split,
+    # and XLA would otherwise replicate what it looked up to split it again. The rows looked
+    # up keep their features whole too, so that the gradient's scatter-add lands in the
+    # table's vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then
+    # replicate the table's gradient to split its vocab).
+    table = fe.constrain(embed.embedding[...], ("vocab", None))
+    return fe.constrain(fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP), ACTIVATION)
+
+
+@fe.sharded_module(DECODER_AXES)
 class Llama(nnx.Module):
     def __init__(self, c: Config, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(c.vocab, c.hidden, rngs=rngs)
@@ -136,14 +150,7 @@ class Llama(nnx.Module):
         self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        # As FSDP gathers any weight whole before its use, the table is gathered over the axes
-        # that split its features before the lookup: a gather cannot keep the features split,
-        # and XLA would otherwise replicate what it looked up to split it again. The rows looked
-        # up keep their features whole too, so that the gradient's scatter-add lands in the
-        # table's vocab layout (XLA:CPU >= 0.11 would scatter with the features split, then
-        # replicate the table's gradient to split its vocab).
-        table = fe.constrain(self.embed.embedding[...], ("vocab", None))
-        x = fe.constrain(fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP), ACTIVATION)
+        x = lookup(self.embed, tokens)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=fen.stacked())
         def run(x: jax.Array, block: Block) -> jax.Array:

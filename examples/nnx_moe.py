@@ -16,17 +16,13 @@ import jax.numpy as jnp
 import moe_config
 import optax
 from flax import nnx
-from moe_config import EXPERT_INIT, MANY_SMALL_EXPERTS, RULES, SMALL, Config
-from nnx_llama import Attention
+from moe_config import EXPERT_INIT, MANY_SMALL_EXPERTS, MOE_AXES, RULES, SMALL, Config
+from nnx_llama import ACTIVATION, DECODER_AXES, Attention, lookup
 
 import flax_escale as fe
 from flax_escale import moe
 from flax_escale import nnx as fen
 from flax_escale.sizing import Workload
-
-ACTIVATION = ("batch", "sequence", "hidden_state")
-# Rows of an embedding table as looked up: the features whole (see the model's lookup).
-LOOKED_UP = ("batch", "sequence", None)
 
 
 @fe.sharded_module(
@@ -49,14 +45,7 @@ class SharedExperts(nnx.Module):
         return self.down(fe.constrain(h, ("batch", "sequence", "mlp_intermediate")))
 
 
-@fe.sharded_module(
-    {
-        "router": ("hidden_state", "expert_gate"),
-        "wi_gate": moe.EXPERT_AXES["wi_gate"],
-        "wi_up": moe.EXPERT_AXES["wi_up"],
-        "wo": moe.EXPERT_AXES["wo"],
-    }
-)
+@fe.sharded_module(MOE_AXES)
 class Moe(nnx.Module):
     """Routed SwiGLU experts (and shared ones): returns the output, aux loss, dropped count."""
 
@@ -97,13 +86,7 @@ class Block(nnx.Module):
         return fe.constrain(x + y, ACTIVATION), aux_loss, dropped
 
 
-@fe.sharded_module(
-    {
-        "embed/embedding": ("vocab", "hidden_state"),
-        "final_norm/scale": ("hidden_state",),
-        "lm_head/kernel": ("hidden_state", "vocab"),
-    }
-)
+@fe.sharded_module(DECODER_AXES)
 class MoeDecoder(nnx.Module):
     """Returns the logits, the mean load-balancing loss and the dropped assignments."""
 
@@ -115,9 +98,7 @@ class MoeDecoder(nnx.Module):
         self.aux_loss_weight = c.aux_loss_weight
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        # Gathered over the axes that split the features before the lookup (see nnx_llama).
-        table = fe.constrain(self.embed.embedding[...], ("vocab", None))
-        x = fe.constrain(fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP), ACTIVATION)
+        x = lookup(self.embed, tokens)
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0),

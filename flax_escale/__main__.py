@@ -9,19 +9,21 @@ Subcommands:
 - ``report``: the sharding report of a workload's parameters and optimizer state on one mesh,
   printed and written as a web page (:func:`flax_escale.sharding_report`).
 
-Each subcommand is a function that adds its arguments to a subparser and sets ``run``, the
-function that carries it out and returns the exit code. Every error names the option (or
-argument) it concerns, in one line.
+Each subcommand is a row of ``_SUBCOMMANDS``: a function that adds its arguments to its
+subparser, ``run``, the function that carries it out and returns the exit code (the body of
+its docstring is the subcommand's description), and the one-line help. Every error names the
+option (or argument) it concerns, in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -34,24 +36,12 @@ from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target, create_mesh, parse_mesh
 from flax_escale.mesh._target import MAX_SIMULATED_DEVICES
 from flax_escale.sizing import PROFILES
 from flax_escale.sizing._candidates import checked_axes
-from flax_escale.sizing._plan_mesh import _build
+from flax_escale.sizing._factory import build_workload
 from flax_escale.sizing._state_plan import train_state_plan
 from flax_escale.tools import _launch, sharding_report
 
 
-def _add_launch(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "launch",
-        help="run a script as several processes of one job on this machine",
-        description=(
-            "Start PROCESSES copies of a Python script (or module) on this machine, on "
-            "loopback, with what initialize_distributed() needs in their environment "
-            "(FLAX_ESCALE_COORDINATOR_ADDRESS, FLAX_ESCALE_NUM_PROCESSES, "
-            "FLAX_ESCALE_PROCESS_ID) and DEVICES_PER_PROCESS simulated CPU devices each "
-            "(JAX_PLATFORMS=cpu). Output lines are prefixed with the rank; SIGINT and SIGTERM "
-            "are passed on; the first failure stops the others and gives the exit code."
-        ),
-    )
+def _add_launch(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=2, help="how many (default 2)")
     parser.add_argument(
         "--devices-per-process", type=int, default=4, help="simulated CPU devices (default 4)"
@@ -68,7 +58,6 @@ def _add_launch(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("script", help="the Python script (or, with -m, module) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    parser.set_defaults(run=_run_launch)
 
 
 @contextlib.contextmanager
@@ -96,6 +85,14 @@ def _options(names: dict[str, str], flag: str | None = None) -> Iterator[None]:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
+    """Runs a script as several processes of one job on this machine.
+
+    Start PROCESSES copies of a Python script (or module) on this machine, on loopback, with
+    what initialize_distributed() needs in their environment (FLAX_ESCALE_COORDINATOR_ADDRESS,
+    FLAX_ESCALE_NUM_PROCESSES, FLAX_ESCALE_PROCESS_ID) and DEVICES_PER_PROCESS simulated CPU
+    devices each (JAX_PLATFORMS=cpu). Output lines are prefixed with the rank; SIGINT and
+    SIGTERM are passed on; the first failure stops the others and gives the exit code.
+    """
     program = ["-m", args.script] if args.module else [args.script]
     arguments = ("processes", "devices_per_process", "port", "grace")
     with _options({name: "--" + name.replace("_", "-") for name in arguments}):
@@ -108,19 +105,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         )
 
 
-def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="rank the meshes of N devices for a workload by memory and step time",
-        description=(
-            "Compile the workload that FACTORY returns (a flax_escale.sizing.Workload) on "
-            "every candidate mesh of DEVICES simulated CPU devices (or of a TPU slice, with "
-            "the TPU compiler: --target v5p-128), ahead of time, and print "
-            "the meshes ranked: per-device peak memory against the budget, collective bytes "
-            "per step, estimated step time on the hardware profile, and the create_mesh call "
-            "of the best one."
-        ),
-    )
+def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
     parser.add_argument(
         "--devices", type=int, default=None, help="devices to plan for (a TPU slice: its chips)"
@@ -161,10 +146,17 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="compile every mesh, even those their textbook communication rules out",
     )
-    parser.set_defaults(run=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    """Ranks the meshes of N devices for a workload by memory and step time.
+
+    Compile the workload that FACTORY returns (a flax_escale.sizing.Workload) on every
+    candidate mesh of DEVICES simulated CPU devices (or of a TPU slice, with the TPU compiler:
+    --target v5p-128), ahead of time, and print the meshes ranked: per-device peak memory
+    against the budget, collective bytes per step, estimated step time on the hardware
+    profile, and the create_mesh call of the best one.
+    """
     # Every option is checked here, under its own name, before the workload is built.
     if args.devices is not None:
         check.positive_int(args.devices, "--devices")
@@ -243,18 +235,7 @@ def _profile(args: argparse.Namespace) -> sizing.HardwareProfile | None:
     )
 
 
-def _add_report(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "report",
-        help="the sharding report of a workload's parameters and optimizer state on one mesh",
-        description=(
-            "Plan the train state of the workload that FACTORY returns (a "
-            "flax_escale.sizing.Workload) on MESH, without allocating or compiling anything: "
-            "print the table of every array (parameters, optimizer state as the training step "
-            "holds it), and with --html write the report as a self-contained web page. With "
-            "--baseline-mesh, also list the arrays whose layout differs on that mesh."
-        ),
-    )
+def _add_report(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
     mesh_help = (
         f"axis sizes, named (dp:1,fsdp:4,tp:2; an axis of {','.join(DEFAULT_AXIS_NAMES)} left "
@@ -266,14 +247,21 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--baseline-mesh", default=None, help="compare with the plan on this mesh (same form)"
     )
-    parser.set_defaults(run=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    """Prints the sharding report of a workload's train state on one mesh.
+
+    Plan the train state of the workload that FACTORY returns (a flax_escale.sizing.Workload)
+    on MESH, without allocating or compiling anything: print the table of every array
+    (parameters, optimizer state as the training step holds it), and with --html write the
+    report as a self-contained web page. With --baseline-mesh, also list the arrays whose
+    layout differs on that mesh.
+    """
     # Both strings are checked before either mesh starts JAX's devices.
     shapes = [(flag, _shape_of(text, flag)) for flag, text in _meshes(args)]
     meshes = [_mesh_of(shape, flag) for flag, shape in shapes]
-    workload = _build(args.workload)
+    workload = build_workload(args.workload)
     plan = train_state_plan(workload, meshes[0])
     baseline = None if len(meshes) == 1 else train_state_plan(workload, meshes[1])
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -317,6 +305,27 @@ def _mesh_of(shape: tuple[tuple[int, ...], tuple[str, ...]], flag: str) -> Mesh:
         return create_mesh(sizes, names)
 
 
+_Run = Callable[[argparse.Namespace], int]
+
+_SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], _Run, str]] = {
+    "launch": (
+        _add_launch,
+        _run_launch,
+        "run a script as several processes of one job on this machine",
+    ),
+    "plan": (
+        _add_plan,
+        _run_plan,
+        "rank the meshes of N devices for a workload by memory and step time",
+    ),
+    "report": (
+        _add_report,
+        _run_report,
+        "the sharding report of a workload's parameters and optimizer state on one mesh",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m flax_escale``, with one subparser per subcommand.
 
@@ -327,9 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m flax_escale", description=__doc__.split("\n")[0].replace("``", "")
     )
     subparsers = parser.add_subparsers(title="subcommands", dest="command", required=True)
-    _add_launch(subparsers)
-    _add_plan(subparsers)
-    _add_report(subparsers)
+    for name, (add_arguments, run, help_line) in _SUBCOMMANDS.items():
+        description = inspect.cleandoc(run.__doc__).partition("\n\n")[2]
+        subparser = subparsers.add_parser(name, help=help_line, description=description)
+        add_arguments(subparser)
+        subparser.set_defaults(run=run)
     return parser
 
 

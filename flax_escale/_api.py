@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from flax_escale import _checks as check
 from flax_escale._frontend import _pipeline as pipeline
+from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._overrides import Overrides
 from flax_escale._frontend._patterns import AxesPatterns
 from flax_escale.errors import EscaleTypeError
@@ -25,8 +26,7 @@ from flax_escale.linen import _annotate as linen_annotate
 from flax_escale.linen import _init as linen_init
 from flax_escale.nnx import _annotate as nnx_annotate
 from flax_escale.nnx import _init as nnx_init
-from flax_escale.plan import ShardingPlan
-from flax_escale.plan._plan import USE_IDLE_AXES
+from flax_escale.plan import USE_IDLE_AXES, ShardingPlan
 from flax_escale.resolve import RulesLike
 
 __all__ = ["front_end", "init_sharded", "lower_init", "plan_sharding", "sharded_module"]
@@ -141,8 +141,18 @@ def plan_sharding(
         >>> plan["params/kernel"].spec
         P(('fsdp', 'sp'), 'tp')
     """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.plan(request)[1]
+    return pipeline.plan(
+        _request(
+            model,
+            mesh,
+            rng,
+            args,
+            kwargs,
+            InitOptions.create(
+                rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes
+            ),
+        )
+    )[1]
 
 
 def init_sharded(
@@ -194,8 +204,18 @@ def init_sharded(
         >>> up.wi.kernel.get_value().sharding.spec
         P(('fsdp', 'sp'), 'tp')
     """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.init(request)
+    return pipeline.init(
+        _request(
+            model,
+            mesh,
+            rng,
+            args,
+            kwargs,
+            InitOptions.create(
+                rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes
+            ),
+        )
+    )
 
 
 def lower_init(
@@ -227,8 +247,18 @@ def lower_init(
         >>> lowered.compile().memory_analysis().output_size_in_bytes  # 64 * 64 * 4 B / 8
         2048
     """
-    request = _request(model, mesh, rng, args, kwargs, rules, strict, overrides, use_idle_axes)
-    return pipeline.lower(request)[2]
+    return pipeline.lower(
+        _request(
+            model,
+            mesh,
+            rng,
+            args,
+            kwargs,
+            InitOptions.create(
+                rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes
+            ),
+        )
+    )[2]
 
 
 def front_end(model: Any) -> pipeline.FrontEnd:
@@ -259,29 +289,8 @@ def front_end(model: Any) -> pipeline.FrontEnd:
 
 
 def _request(
-    model: Any,
-    mesh: Any,
-    rng: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    rules: RulesLike,
-    strict: bool,
-    overrides: Overrides | None,
-    use_idle_axes: bool,
+    model: Any, mesh: Mesh, rng: Any, args: tuple, kwargs: dict, options: InitOptions
 ) -> pipeline.Request:
-    chosen = front_end(model)
-    # Linen's init takes method=; an NNX constructor gets every keyword.
-    method = kwargs.pop("method", None) if chosen is linen_init.FRONT_END else None
-    return pipeline.request(
-        chosen,
-        model,
-        mesh,
-        rng,
-        args,
-        kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-        method=method,
-    )
+    # The one model-kind check of a call, then the mesh and the call checked into the request
+    # its stage runs on.
+    return pipeline.request(front_end(model), model, mesh, rng, args, kwargs, options)

@@ -128,6 +128,29 @@ def instance(value: Any, kind: type | tuple[type, ...], argument: str, example: 
     )
 
 
+def kind(
+    value: Any,
+    kinds: type | tuple[type, ...],
+    argument: str,
+    what: str,
+    *,
+    string_fix: str,
+    fix: str = "",
+) -> Any:
+    """``value`` if it is one of ``kinds`` and not a string, which is told ``string_fix``.
+
+    ``what`` says what ``value`` must be; ``fix`` ends the message for another type.
+
+    Raises:
+        EscaleTypeError: For a string or anything that is not one of ``kinds``.
+    """
+    if isinstance(value, str):
+        raise EscaleTypeError(f"{argument} must be {what}, got the string {value!r}; {string_fix}.")
+    if not isinstance(value, kinds):
+        raise EscaleTypeError(f"{argument} must be {what}, got {describe(value)}{fix}.")
+    return value
+
+
 def names(value: Any, argument: str) -> tuple[str, ...]:
     """A tuple of names (strings) from a sequence of them; a bare string is refused.
 
@@ -359,17 +382,37 @@ def shape(value: Any, argument: str) -> tuple[int, ...]:
         )
     _not_one_value(value, argument, "a shape (a tuple of ints)", "pass e.g. (16, 128)")
     items = _sequence(value, argument, "ints (a shape)", "(16, 128)")
+    return int_entries(value, items, argument, "a shape (a tuple of ints)", low=0)
+
+
+def int_entries(
+    value: Any,
+    items: Sequence[Any],
+    argument: str,
+    what: str,
+    *,
+    low: int,
+    hint: str = "",
+    error: type[EscaleError] = EscaleError,
+) -> tuple[int, ...]:
+    """``items``, the entries of ``value``, as ints of at least ``low``.
+
+    ``what`` says what ``value`` must be; ``hint`` what to pass for an entry that is not an int
+    (a whole float is told its int instead).
+
+    Raises:
+        EscaleTypeError: For an entry that is not an int (``bool`` is not one).
+        EscaleError: (``error``) For an entry below ``low``.
+    """
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
             raise EscaleTypeError(
-                f"{argument} must be a shape (a tuple of ints), got {value!r} whose entry "
-                f"{describe(item)} is not an int."
+                f"{argument} must be {what}, got {value!r} whose entry {describe(item)} is "
+                f"not an int{_as_int_hint(item) or hint}."
             )
-        if item < 0:
-            raise EscaleError(
-                f"{argument} must be a shape of sizes of at least 0, got {value!r} with the "
-                f"size {item!r}."
-            )
+        if item < low:
+            bound = "a positive int" if low == 1 else f"an int of at least {low}"
+            raise error(f"{argument} {value!r}: every size must be {bound}, got {item!r}.")
     return tuple(int(item) for item in items)
 
 
@@ -486,16 +529,14 @@ def named_sharding_of(mesh: Any, spec: Any, argument: str) -> NamedSharding:
 
 def spec_on(mesh: Any, spec: Any, argument: str) -> PartitionSpec:
     """``spec``, checked as :func:`named_sharding_of` checks it, without building a sharding."""
-    if isinstance(spec, str):
-        raise EscaleTypeError(
-            f"{argument} must be a PartitionSpec, got the string {spec!r}; pass "
-            f"PartitionSpec({spec!r})."
-        )
-    if not isinstance(spec, PartitionSpec):
-        raise EscaleTypeError(
-            f"{argument} must be a PartitionSpec, got {describe(spec)}; pass e.g. "
-            "PartitionSpec('dp')."
-        )
+    kind(
+        spec,
+        PartitionSpec,
+        argument,
+        "a PartitionSpec",
+        string_fix=f"pass PartitionSpec({spec!r})",
+        fix="; pass e.g. PartitionSpec('dp')",
+    )
     seen: set[str] = set()
     for dim, entry in enumerate(spec):
         for axis in mesh_axes_of(entry, argument=f"{argument} entry {dim}"):

@@ -120,6 +120,7 @@ EXPECTED = {
     "flax_escale.plan": [
         "IDLE_AXES_MIN_BYTES",
         "USE_IDLE_AXES",
+        "AnnotatedLeaf",
         "Annotation",
         "ArrayChange",
         "PlanDiff",

@@ -9,14 +9,12 @@ travel as that value; nothing below re-checks them, and each has one default.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 from flax_escale import _checks as check
 from flax_escale._frontend._overrides import Overrides
 from flax_escale._frontend._patterns import AxesPatterns
 from flax_escale.axes import LogicalRules
-from flax_escale.plan._plan import USE_IDLE_AXES
+from flax_escale.plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike, as_logical_rules
 
 __all__ = ["InitOptions"]
@@ -31,14 +29,12 @@ class InitOptions:
         strict: Raise instead of correcting.
         overrides: The compiled ``overrides=`` patterns, or ``None``.
         use_idle_axes: Put mesh axes the rules leave idle to use on large variables.
-        method: Linen only: the method ``model.init`` calls (``None`` for ``__call__``).
     """
 
     rules: LogicalRules
     strict: bool = False
     overrides: AxesPatterns | None = None
     use_idle_axes: bool = USE_IDLE_AXES
-    method: Callable[..., Any] | str | None = None
 
     @classmethod
     def create(
@@ -48,7 +44,6 @@ class InitOptions:
         strict: bool = False,
         overrides: Overrides | None = None,
         use_idle_axes: bool = USE_IDLE_AXES,
-        method: Callable[..., Any] | str | None = None,
     ) -> InitOptions:
         """Checks the keywords as a user gave them and freezes them.
 
@@ -70,5 +65,4 @@ class InitOptions:
             strict=check.flag(strict, "strict"),
             overrides=None if overrides is None else AxesPatterns.compile("overrides", overrides),
             use_idle_axes=check.flag(use_idle_axes, "use_idle_axes"),
-            method=method,
         )

@@ -8,10 +8,9 @@ in the plan (``"Dense_0/kernel"``, ``"blocks/0/.*/kernel"``), and win over every
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from flax_escale._frontend._patterns import AxesPatterns
-from flax_escale.plan import Annotation
+from flax_escale.plan import AnnotatedLeaf, Annotation
 
 __all__ = ["Overrides", "apply_overrides"]
 
@@ -22,8 +21,8 @@ _STACK_HINT = "a layer stack's arrays have the stacked dimension too: name it, e
 
 
 def apply_overrides(
-    items: Sequence[tuple[str, Any, Annotation | None]], overrides: AxesPatterns | None
-) -> tuple[list[tuple[str, Any, Annotation | None]], list[str]]:
+    items: Sequence[AnnotatedLeaf], overrides: AxesPatterns | None
+) -> tuple[list[AnnotatedLeaf], list[str]]:
     """``items`` with the annotation of every variable an override matches replaced.
 
     Args:
@@ -53,7 +52,7 @@ def apply_overrides(
             if annotation is not None:
                 source += f" (replacing {annotation.axes} from {annotation.source})"
             annotation = Annotation(logical_axes=found[1], source=source)
-        replaced.append((path, leaf, annotation))
+        replaced.append(AnnotatedLeaf(path, leaf, annotation))
     paths = ", ".join(path for path, _, _ in items[:6]) + (", ..." if len(items) > 6 else "")
     notes = [
         f"overrides: pattern {pattern!r} matched no variable (the variables' paths are like "

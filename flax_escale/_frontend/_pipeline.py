@@ -23,12 +23,11 @@ from jax.sharding import Mesh
 from flax_escale import _checks as check
 from flax_escale._frontend._init_cache import run_cached
 from flax_escale._frontend._options import InitOptions
-from flax_escale._frontend._overrides import Overrides, apply_overrides
+from flax_escale._frontend._overrides import apply_overrides
 from flax_escale.mesh._agreement import agree_on_mesh
 from flax_escale.mesh._context import with_auto_axes
-from flax_escale.plan._annotation import Annotation
-from flax_escale.plan._plan import USE_IDLE_AXES, ShardingPlan, plan_checked
-from flax_escale.resolve import RulesLike
+from flax_escale.plan import AnnotatedLeaf, ShardingPlan
+from flax_escale.plan._build import plan_checked
 from flax_escale.sharding._use_sharding import sharding_context
 
 __all__ = [
@@ -53,7 +52,7 @@ class ModelCall:
     Attributes:
         model: Linen: the module instance; NNX: the module class or a callable taking
             ``rngs=``.
-        rng: The randomness, as the front end takes it once checked (NNX: keys, not seeds).
+        rng: The randomness, checked, every seed made a key.
         args: Linen: example inputs of ``model.init``; NNX: constructor arguments.
         kwargs: Linen: ``model.init``'s keywords; NNX: constructor keywords.
     """
@@ -97,7 +96,7 @@ class Traced:
     """
 
     treedef: Any
-    items: tuple[tuple[str, jax.ShapeDtypeStruct, Annotation | None], ...]
+    items: tuple[AnnotatedLeaf, ...]
     notes: tuple[str, ...] = ()
     abstract: Any = None
 
@@ -110,8 +109,8 @@ class FrontEnd(Protocol):
     trace_needs_mesh: bool
     """Whether tracing depends on the mesh (Linen's constraints see it; NNX's do not)."""
 
-    def check(self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any) -> ModelCall:
-        """Checks the model (and ``method``) and returns the call, its rng made ready."""
+    def check(self, call: ModelCall) -> ModelCall:
+        """Checks the call of a model of this front end's kind; returns the call it runs."""
 
     def trace(self, call: ModelCall, mesh: Mesh, options: InitOptions) -> Traced:
         """The abstract variables and their annotations (``mesh`` may be unused)."""
@@ -145,34 +144,24 @@ def request(
     rng: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    rules: RulesLike = None,
-    strict: bool = False,
-    overrides: Overrides | None = None,
-    use_idle_axes: bool = USE_IDLE_AXES,
-    method: Any = None,
+    options: InitOptions,
 ) -> Request:
-    """Checks an entry point's arguments once: everything after takes the result as it is."""
-    mesh = check.mesh(mesh)
-    options = InitOptions.create(
-        rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes, method=method
-    )
+    """One call of an entry point, checked: the mesh once, the model and its arguments once.
+
+    ``front_end`` is the one the dispatcher chose for the kind of ``model`` (that check is its);
+    ``options`` are checked already, where the entry point took them.
+    """
     return Request(
-        front_end, checked_call(front_end, model, rng, args, kwargs, method), mesh, options
+        front_end, checked_call(front_end, model, rng, args, kwargs), check.mesh(mesh), options
     )
 
 
 def checked_call(
-    front_end: FrontEnd,
-    model: Any,
-    rng: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    method: Any = None,
+    front_end: FrontEnd, model: Any, rng: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ModelCall:
-    """Checks the model and its arguments once, for any number of meshes."""
+    """Checks the model's arguments once, for any number of meshes; seeds become keys."""
     check.rng(rng)
-    return front_end.check(model, rng, args, kwargs, method)
+    return front_end.check(ModelCall(model, as_keys(rng), args, kwargs))
 
 
 def plan(request: Request, traced: Traced | None = None) -> tuple[Traced, ShardingPlan]:
@@ -185,7 +174,7 @@ def plan(request: Request, traced: Traced | None = None) -> tuple[Traced, Shardi
 
 def plan_variables(
     treedef: Any,
-    items: Sequence[tuple[str, Any, Annotation | None]],
+    items: Sequence[AnnotatedLeaf],
     mesh: Mesh,
     options: InitOptions,
     notes: tuple[str, ...] = (),

@@ -126,7 +126,7 @@ class PartitionAxis:
     attention and dense layers, and the fallback of the weights that are not experts becomes
     ``(fsdp, sp, ep)`` (then ``(fsdp, sp)`` where the array's expert dimension holds ``ep``).
     It is off by default so that a model without experts keeps the specs above; MoE models
-    turn it on (``bench/moe.py`` measures both).
+    turn it on (``bench/b10_moe.py`` measures both).
 
     :meth:`logical_axis_rules` turns the mapping into ordered Flax rules, used for parameters and
     activations alike.

@@ -13,11 +13,11 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._paths import flatten_with_paths
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import current_mesh
-from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.sharding import spec_from_shape, specs_from_regex
 from flax_escale.sharding._regex_rules import (
     PartitionRuleError,

@@ -16,11 +16,11 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._paths import flatten_with_paths
 from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import PartitionAxis
 from flax_escale.eformer._methods import Method, place_methods, suggested_methods
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.sharding import spec_from_shape, with_sharding_constraint
 from flax_escale.sharding._auto import Methods, checked_paxis, suggest_methods
 

@@ -18,10 +18,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._checks import describe
+from flax_escale._paths import is_box, unbox
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
-from flax_escale.plan._paths import is_box, unbox
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
 
 __all__ = [
@@ -48,14 +48,16 @@ def extract_shardings(tree: Any, mesh: Mesh | None = None) -> Any:
 
     Example:
         >>> import jax
-        >>> import numpy as np
+        >>> import jax.numpy as jnp
+        >>> from flax import linen as nn
         >>> from jax.sharding import NamedSharding, PartitionSpec
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.eformer import extract_shardings
-        >>> mesh = create_mesh((1, 8, 1, 1, 1))
-        >>> w = jax.device_put(np.zeros((8, 2)), NamedSharding(mesh, PartitionSpec("fsdp")))
-        >>> extract_shardings({"w": w, "n": 3})["n"] is None
-        True
+        >>> from flax_escale.eformer import create_mesh, extract_shardings
+        >>> fsdp = NamedSharding(create_mesh((1, 8, 1, 1, 1)), PartitionSpec("fsdp"))
+        >>> abstract = jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=fsdp)
+        >>> shardings = extract_shardings({"w": nn.LogicallyPartitioned(abstract, ("embed", None)),
+        ...                                "n": 3})
+        >>> shardings["w"].spec, shardings["n"]
+        (PartitionSpec('fsdp',), None)
     """
     return _shardings(tree, check.optional_mesh(mesh), "extract_shardings", "tree")
 

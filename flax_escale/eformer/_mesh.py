@@ -196,14 +196,13 @@ def get_mesh_axis_size(axis_names: MeshAxes) -> int:
     Example:
         >>> import jax
         >>> import jax.numpy as jnp
-        >>> from jax.sharding import PartitionSpec as P
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.eformer import get_mesh_axis_size
-        >>> mesh = create_mesh((2, 4), ("dp", "tp"))
-        >>> def body(x):
-        ...     return x * get_mesh_axis_size(("dp", "tp"))
-        >>> jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))(jnp.ones(4))
-        Array([8., 8., 8., 8.], dtype=float32)
+        >>> from flax_escale import eformer as escale
+        >>> def sizes(x):
+        ...     axes = ["dp", ("dp", "tp"), ()]
+        ...     return x + jnp.array([escale.get_mesh_axis_size(a) for a in axes])
+        >>> mesh = escale.create_mesh((2, 4), ("dp", "tp"))
+        >>> jax.shard_map(sizes, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(jnp.zeros(3))
+        Array([2., 8., 1.], dtype=float32)
     """
     names = mesh_axes_of(axis_names, argument="axis_names")
     try:

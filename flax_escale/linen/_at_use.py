@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.plan._optimizer import named_sharding_of
+from flax_escale.plan._optimizer import sharding_of_param
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding._constraint import apply_spec
 
@@ -124,7 +124,7 @@ def gathering_apply(
         ``apply(variables, *args, **kwargs)``, called as ``apply_fn`` is, for parameters of
         the structure of ``params``.
     """
-    shardings = jax.tree.map(named_sharding_of, params)
+    shardings = jax.tree.map(sharding_of_param, params)
     structure = jax.tree.structure(params)
 
     @functools.wraps(apply_fn)

@@ -19,19 +19,18 @@ from flax_escale import _checks as check
 from flax_escale._frontend import _pipeline as pipeline
 from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._overrides import Overrides
+from flax_escale._paths import is_box
+from flax_escale._paths import unbox as unbox_leaf
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.linen._annotate import annotating
+from flax_escale.linen._annotator import annotating
 from flax_escale.linen._at_use import data_axes, gathering_apply
 from flax_escale.mesh import with_auto_axes
-from flax_escale.plan import ShardingPlan, annotated_leaves
+from flax_escale.plan import USE_IDLE_AXES, ShardingPlan, annotated_leaves
 from flax_escale.plan._optimizer import create_checked
-from flax_escale.plan._paths import is_box
-from flax_escale.plan._paths import unbox as unbox_leaf
-from flax_escale.plan._plan import USE_IDLE_AXES
 from flax_escale.resolve import RulesLike
 from flax_escale.sharding._use_sharding import sharding_context
 
-__all__ = ["FRONT_END", "LinenFrontEnd", "init_train_state"]
+__all__ = ["FRONT_END", "LinenCall", "LinenFrontEnd", "init_train_state"]
 
 
 def init_train_state(
@@ -88,17 +87,17 @@ def init_train_state(
     Example:
         >>> import flax.linen as nn
         >>> import jax
-        >>> import jax.numpy as jnp
         >>> import optax
-        >>> from flax_escale import create_mesh
-        >>> from flax_escale.linen import init_train_state
-        >>> mesh = create_mesh((1, 8, 1, 1, 1))
-        >>> model = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
-        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-        >>> state = init_train_state(model, mesh, jax.random.key(0), jnp.ones((2, 8)),
-        ...                          tx=optax.adam(1e-3))
-        >>> state.opt_state[0].mu["kernel"].sharding.spec  # tp=1 would split nothing
-        P(('fsdp', 'sp'), None)
+        >>> import flax_escale as fe
+        >>> @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+        ... class Up(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(16)(x)
+        >>> state = fe.linen.init_train_state(Up(), fe.create_mesh((2, 4, 1, 1, 1)),
+        ...     jax.random.key(0), jax.numpy.ones((2, 8)), tx=optax.adam(1e-3), shard_over=("dp",))
+        >>> state.opt_state[0].mu["Dense_0"]["kernel"].sharding.spec  # ZeRO-1: dp too
+        P(('fsdp', 'sp', 'dp'), None)
         >>> state.step.dtype, state.step.sharding.spec
         (dtype('int32'), P())
     """
@@ -106,10 +105,12 @@ def init_train_state(
     shard_over = check.names(shard_over, "shard_over")
     # Refused before any work when the rules leave nothing to gather over.
     gathered_over = data_axes(rules) if check.flag(gather_at_use, "gather_at_use") else None
-    request = _request(
-        model, mesh, rng, inputs, init_kwargs, rules, strict, overrides, use_idle_axes, method
+    _check_model(model)
+    options = InitOptions.create(
+        rules=rules, strict=strict, overrides=overrides, use_idle_axes=use_idle_axes
     )
-    variables = pipeline.init(request)
+    call = {**init_kwargs, "method": method}
+    variables = pipeline.init(pipeline.request(FRONT_END, model, mesh, rng, inputs, call, options))
     others = sorted(c for c in variables if c != "params" and jax.tree.leaves(variables[c]))
     if others:
         raise EscaleError(
@@ -128,24 +129,35 @@ def init_train_state(
     return TrainState(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinenCall(pipeline.ModelCall):
+    """A Linen model's call: ``model.init(rng, *args, method=method, **kwargs)``.
+
+    Attributes:
+        method: The method ``model.init`` calls (``None`` for ``__call__``), taken out of the
+            entry point's keywords: Linen's alone.
+    """
+
+    method: Callable[..., Any] | str | None = None
+
+
 class LinenFrontEnd:
     """The pipeline's Linen side: ``model.init`` traced, jitted and returned unboxed."""
 
     name = "linen"
     trace_needs_mesh = True
 
-    def check(
-        self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any
-    ) -> pipeline.ModelCall:
-        """Checks that ``model`` is a Linen module and ``method`` one of its methods."""
-        _check_model(model)
-        _check_method(model, method)
-        _check_inputs(model, method, args, kwargs)
-        return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
+    def check(self, call: pipeline.ModelCall) -> LinenCall:
+        """Takes ``method=`` out of the keywords; checks it and the inputs against the model."""
+        kwargs = dict(call.kwargs)
+        method = kwargs.pop("method", None)
+        _check_method(call.model, method)
+        _check_inputs(call.model, method, call.args, kwargs)
+        return LinenCall(call.model, call.rng, call.args, kwargs, method)
 
-    def trace(self, call: pipeline.ModelCall, mesh: Mesh, options: InitOptions) -> pipeline.Traced:
+    def trace(self, call: LinenCall, mesh: Mesh, options: InitOptions) -> pipeline.Traced:
         """``jax.eval_shape`` of ``model.init`` with its boxes, under ``mesh`` and the rules."""
-        init = _initializer(call.model, options.method, call.kwargs, unbox=False)
+        init = _initializer(call, unbox=False)
         # Under the Auto twin: Flax's boxes constrain each parameter as the model reads it,
         # which on Explicit axes would assert the unsharded value's sharding instead.
         with (
@@ -157,11 +169,11 @@ class LinenFrontEnd:
         return pipeline.Traced(treedef, tuple(items), tuple(annotator.unused()))
 
     def initializer(
-        self, call: pipeline.ModelCall, options: InitOptions
+        self, call: LinenCall, options: InitOptions
     ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
         """``model.init`` returning plain arrays; the rng and inputs are its arguments."""
-        init = _initializer(call.model, options.method, call.kwargs, unbox=True)
-        return init, (call.rng, *call.args), call.kwargs
+        del options
+        return _initializer(call, unbox=True), (call.rng, *call.args), (call.method, call.kwargs)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         """Nothing besides the mesh and rules."""
@@ -174,33 +186,6 @@ class LinenFrontEnd:
 
 
 FRONT_END = LinenFrontEnd()
-
-
-def _request(
-    model: Any,
-    mesh: Any,
-    rng: Any,
-    inputs: tuple[Any, ...],
-    init_kwargs: dict[str, Any],
-    rules: RulesLike,
-    strict: bool,
-    overrides: Overrides | None,
-    use_idle_axes: bool,
-    method: Any,
-) -> pipeline.Request:
-    return pipeline.request(
-        FRONT_END,
-        model,
-        mesh,
-        rng,
-        inputs,
-        init_kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-        method=method,
-    )
 
 
 def _check_model(model: Any) -> None:
@@ -274,9 +259,9 @@ def _check_inputs(model: nn.Module, method: Any, args: tuple, kwargs: dict) -> N
         ) from None
 
 
-def _initializer(
-    model: nn.Module, method: Any, init_kwargs: dict[str, Any], *, unbox: bool
-) -> Callable[..., Any]:
+def _initializer(call: LinenCall, *, unbox: bool) -> Callable[..., Any]:
+    model, method, init_kwargs = call.model, call.method, call.kwargs
+
     def init(rng: Any, *inputs: Any) -> Any:
         variables = model.init(rng, *inputs, method=method, **init_kwargs)
         return jax.tree.map(unbox_leaf, variables, is_leaf=is_box) if unbox else variables

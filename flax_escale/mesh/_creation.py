@@ -213,20 +213,15 @@ def _granule_count(devices: Sequence[Any]) -> int:
 def _dcn_sizes(value: Any) -> tuple[int, ...]:
     """``dcn_mesh_dims`` as ints; a float, NaN or size below 1 raises instead of truncating."""
     sizes = check.sizes(value, "dcn_mesh_dims")
-    for size in sizes:
-        if not isinstance(size, (int, np.integer)):
-            whole = isinstance(size, (float, np.floating)) and float(size).is_integer()
-            hint = f"pass the int {int(size)}" if whole else "pass one int per axis, e.g. (2, 1)"
-            raise EscaleTypeError(
-                f"dcn_mesh_dims must be a sequence of int sizes (hosts or slices along each "
-                f"axis), got {sizes!r} whose entry {check.describe(size)} is not an int; {hint}."
-            )
-        if size < 1:
-            raise MeshError(
-                f"dcn_mesh_dims {sizes!r}: every size must be a positive int (hosts or slices "
-                f"along the axis, 1 for an axis inside one host), got {size!r}."
-            )
-    return tuple(int(size) for size in sizes)
+    return check.int_entries(
+        sizes,
+        sizes,
+        "dcn_mesh_dims",
+        "a sequence of int sizes (hosts or slices along each axis)",
+        low=1,
+        hint="; pass one int per axis, e.g. (2, 1)",
+        error=MeshError,
+    )
 
 
 def device_grid(

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError
 from flax_escale.moe._experts import DISPATCHED_AXES, GatedExperts, explicit_mesh
+from flax_escale.moe._layout import Dispatch
 from flax_escale.moe._routing import Routing
-from flax_escale.resolve import RulesLike
 from flax_escale.sharding import constrain
 
 __all__ = ["capacity_dispatch", "expert_capacity"]
@@ -59,12 +57,8 @@ def capacity_dispatch(
     x: jax.Array,
     routing: Routing,
     experts: GatedExperts,
-    *,
-    activation: Callable[[jax.Array], jax.Array],
+    dispatch: Dispatch,
     capacity_factor: float,
-    mesh: Mesh | AbstractMesh | None,
-    rules: RulesLike,
-    strict: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Sends each sequence's tokens to their experts in fixed-size slots, and back.
 
@@ -79,6 +73,7 @@ def capacity_dispatch(
         The combined ``(batch, sequence, hidden)`` output and how many token assignments
         found their expert full (their share of the output is zero).
     """
+    activation, mesh, rules, strict = dispatch
     groups, group_size, _ = x.shape
     top_k = routing.experts.shape[-1]
     num_experts = experts.num_experts

@@ -15,8 +15,9 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, NoMeshError
 from flax_escale.mesh import current_mesh
 from flax_escale.moe._experts import EXPERT_AXES, GatedExperts
+from flax_escale.moe._layout import Dispatch
 from flax_escale.moe._routing import Routing
-from flax_escale.resolve import RulesLike, as_logical_rules, resolve_logical_axes
+from flax_escale.resolve import as_logical_rules, resolve_logical_axes
 from flax_escale.sharding import logical_shard_map
 
 __all__ = ["Exchange", "dropless_dispatch"]
@@ -43,12 +44,8 @@ def dropless_dispatch(
     x: jax.Array,
     routing: Routing,
     experts: GatedExperts,
-    *,
-    activation: Callable[[jax.Array], jax.Array],
+    dispatch: Dispatch,
     exchange: Exchange,
-    mesh: Mesh | AbstractMesh | None,
-    rules: RulesLike,
-    strict: bool,
 ) -> jax.Array:
     """Computes every token's experts, none dropped, moving tokens rather than weights.
 
@@ -66,6 +63,7 @@ def dropless_dispatch(
             which XLA:CPU cannot run; for experts and tokens that share only some mesh axes; for
             a batch the devices of an expert group cannot share equally.
     """
+    activation, mesh, rules, strict = dispatch
     if mesh is None:
         try:
             mesh = current_mesh()

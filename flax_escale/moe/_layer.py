@@ -14,7 +14,7 @@ from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.moe._capacity import capacity_dispatch
 from flax_escale.moe._dropless import Exchange, dropless_dispatch
 from flax_escale.moe._experts import GatedExperts, checked_activation
-from flax_escale.moe._layout import expert_rules
+from flax_escale.moe._layout import Dispatch, expert_rules
 from flax_escale.moe._routing import route_top_k
 from flax_escale.resolve import RulesLike
 from flax_escale.sharding import constrain
@@ -138,28 +138,11 @@ def moe_mlp(
     x = constrain(x, _ACTIVATION, mesh=options.mesh, rules=rules, strict=options.strict)
     logits = jnp.einsum("bsh,he->bse", x, router_kernel)
     routing = route_top_k(logits, top_k)
+    dispatch = Dispatch(options.activation, options.mesh, rules, options.strict)
     if options.strategy == "capacity":
-        out, dropped = capacity_dispatch(
-            x,
-            routing,
-            experts,
-            activation=options.activation,
-            capacity_factor=options.capacity_factor,
-            mesh=options.mesh,
-            rules=rules,
-            strict=options.strict,
-        )
+        out, dropped = capacity_dispatch(x, routing, experts, dispatch, options.capacity_factor)
     else:
-        out = dropless_dispatch(
-            x,
-            routing,
-            experts,
-            activation=options.activation,
-            exchange=options.exchange,
-            mesh=options.mesh,
-            rules=rules,
-            strict=options.strict,
-        )
+        out = dropless_dispatch(x, routing, experts, dispatch, options.exchange)
         dropped = jnp.zeros((), jnp.int32)
     out = constrain(out, _ACTIVATION, mesh=options.mesh, rules=rules, strict=options.strict)
     return MoeOutput(out, routing.aux_loss, dropped.astype(jnp.int32))

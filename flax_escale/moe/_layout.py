@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
+import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale.errors import NoMeshError
@@ -12,7 +15,23 @@ from flax_escale.moe._experts import EXPERT_AXES, GatedExperts
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
 from flax_escale.resolve._rules import LogicalRules
 
-__all__ = ["expert_rules"]
+__all__ = ["Dispatch", "expert_rules"]
+
+
+class Dispatch(NamedTuple):
+    """What both strategies' dispatches are given besides the tokens and the experts.
+
+    Attributes:
+        activation: The gate's activation.
+        mesh: The mesh to place on, or ``None`` for the current one.
+        rules: The rules :func:`expert_rules` returned.
+        strict: Whether what the rules cannot apply is an error rather than a warning.
+    """
+
+    activation: Callable[[jax.Array], jax.Array]
+    mesh: Mesh | AbstractMesh | None
+    rules: LogicalRules
+    strict: bool
 
 
 def expert_rules(

@@ -15,14 +15,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._frontend import _pipeline as pipeline
-from flax_escale._frontend._overrides import Overrides
+from flax_escale._paths import flatten_with_paths
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.nnx._annotate import collecting_unused
 from flax_escale.nnx._signature import binding_error, shown, signature
 from flax_escale.plan import PlanEntry, ShardingPlan, annotated_leaves
 from flax_escale.plan._optimizer import follow_shardings
-from flax_escale.plan._paths import flatten_with_paths
-from flax_escale.resolve import RulesLike
 
 __all__ = ["FRONT_END", "NnxFrontEnd", "OptimizerLayout", "init_optimizer", "optimizer_layout"]
 
@@ -211,26 +209,14 @@ class NnxFrontEnd:
     name = "nnx"
     trace_needs_mesh = False
 
-    def check(
-        self, model: Any, rng: Any, args: tuple, kwargs: dict, method: Any
-    ) -> pipeline.ModelCall:
-        """Checks that ``model`` builds an NNX module, called with ``args`` and ``rngs=``.
-
-        Seeds become keys (once).
+    def check(self, call: pipeline.ModelCall) -> pipeline.ModelCall:
+        """Checks that the constructor takes the call's arguments and ``rngs=``.
 
         Raises:
-            EscaleTypeError: If ``model`` is not callable, or its signature does not take
-                ``args``, ``kwargs`` and ``rngs=``.
+            EscaleTypeError: If its signature does not take ``args``, ``kwargs`` and ``rngs=``.
         """
-        del method  # Linen's; NNX entry points have none
-        if not callable(model) or isinstance(model, nnx.Module):
-            raise EscaleTypeError(
-                "model must be an NNX module class or a callable taking rngs= that builds the "
-                f"module, got {check.describe(model)}; pass the class (not a module built from "
-                "it), or e.g. lambda rngs: Model(..., rngs=rngs)."
-            )
-        _check_constructor(model, args, kwargs)
-        return pipeline.ModelCall(model, pipeline.as_keys(rng), args, kwargs)
+        _check_constructor(call.model, call.args, dict(call.kwargs))
+        return call
 
     def trace(
         self, call: pipeline.ModelCall, mesh: Mesh | None = None, options: Any = None
@@ -265,31 +251,6 @@ class NnxFrontEnd:
 
 
 FRONT_END = NnxFrontEnd()
-
-
-def _request(
-    model: Any,
-    mesh: Any,
-    rng: Any,
-    args: tuple,
-    kwargs: dict,
-    rules: RulesLike,
-    strict: bool,
-    overrides: Overrides | None,
-    use_idle_axes: bool,
-) -> pipeline.Request:
-    return pipeline.request(
-        FRONT_END,
-        model,
-        mesh,
-        rng,
-        args,
-        kwargs,
-        rules=rules,
-        strict=strict,
-        overrides=overrides,
-        use_idle_axes=use_idle_axes,
-    )
 
 
 def _check_constructor(model: Any, args: tuple, kwargs: dict) -> None:

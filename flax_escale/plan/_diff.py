@@ -8,17 +8,17 @@ annotation (a pattern's spelling) is not compared, only what it gives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
+from jax.sharding import AbstractMesh, Mesh
 from rich.table import Table
 
 from flax_escale._specs import mesh_text
+from flax_escale._units import format_bytes
+from flax_escale.plan._entry import PlanEntry
 
-if TYPE_CHECKING:
-    from flax_escale.plan._plan import PlanEntry, ShardingPlan
-
-__all__ = ["ArrayChange", "PlanDiff", "diff_plans"]
+__all__ = ["ArrayChange", "PlanDiff", "diff_entries"]
 
 KINDS = ("added", "removed", "shape", "dtype", "logical axes", "spec", "bytes", "corrections")
 """What can differ about one array, in the order changes list them."""
@@ -73,7 +73,6 @@ class PlanDiff:
 
     def rows(self) -> list[tuple[str, ...]]:
         """One row of text per change: path, what, spec and bytes per device before and after."""
-        from flax_escale._units import format_bytes
 
         def spec(entry: PlanEntry | None) -> str:
             return "-" if entry is None else str(entry.spec)
@@ -128,28 +127,33 @@ class PlanDiff:
         return self.table()
 
 
-def diff_plans(before: ShardingPlan, after: ShardingPlan) -> PlanDiff:
-    """The :class:`PlanDiff` of two plans (see :meth:`ShardingPlan.diff`)."""
-    later = {e.path: e for e in after.entries}
+def diff_entries(
+    before: Sequence[PlanEntry],
+    before_mesh: Mesh | AbstractMesh,
+    after: Sequence[PlanEntry],
+    after_mesh: Mesh | AbstractMesh,
+) -> PlanDiff:
+    """The :class:`PlanDiff` of two plans' entries on their meshes (see ``ShardingPlan.diff``)."""
+    later = {e.path: e for e in after}
     changes = []
     unchanged = 0
-    for entry in before.entries:
+    for entry in before:
         other = later.pop(entry.path, None)
-        bytes_before = entry.nbytes_per_device(before.mesh)
+        bytes_before = entry.nbytes_per_device(before_mesh)
         if other is None:
             changes.append(ArrayChange(entry.path, entry, None, ("removed",), bytes_before, 0))
             continue
-        bytes_after = other.nbytes_per_device(after.mesh)
+        bytes_after = other.nbytes_per_device(after_mesh)
         kinds = _kinds(entry, other, bytes_before, bytes_after)
         if kinds:
             changes.append(ArrayChange(entry.path, entry, other, kinds, bytes_before, bytes_after))
         else:
             unchanged += 1
     changes += [
-        ArrayChange(e.path, None, e, ("added",), 0, e.nbytes_per_device(after.mesh))
+        ArrayChange(e.path, None, e, ("added",), 0, e.nbytes_per_device(after_mesh))
         for e in later.values()
     ]
-    return PlanDiff(dict(before.mesh.shape), dict(after.mesh.shape), tuple(changes), unchanged)
+    return PlanDiff(dict(before_mesh.shape), dict(after_mesh.shape), tuple(changes), unchanged)
 
 
 def _kinds(a: PlanEntry, b: PlanEntry, bytes_a: int, bytes_b: int) -> tuple[str, ...]:

@@ -7,24 +7,26 @@ disagree with the spec the plan holds: the same rules, in the same order, on the
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale._units import format_bytes
 from flax_escale.axes import LogicalRules
 from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._entry import PlanEntry
 from flax_escale.resolve._resolver import RuleStep, resolver
-
-if TYPE_CHECKING:
-    from flax_escale.plan._plan import PlanEntry, ShardingPlan
 
 __all__ = ["explain_entry", "source_of"]
 
 
-def explain_entry(plan: ShardingPlan, entry: PlanEntry) -> str:
-    """The explanation of ``entry``'s spec in ``plan``, as lines of text (see ``explain``)."""
-    from flax_escale._units import format_bytes
+def explain_entry(entry: PlanEntry, mesh: Mesh | AbstractMesh, rules: LogicalRules | None) -> str:
+    """Why ``entry`` has its spec on ``mesh`` under ``rules``, as lines of text.
 
-    mesh = plan.mesh
+    ``rules`` are the plan's (``None``: not recorded, so no rule is traced); see
+    ``ShardingPlan.explain``.
+    """
     sizes = dict(mesh.shape)
     resolution = entry.resolution
     annotation = entry.annotation
@@ -38,7 +40,7 @@ def explain_entry(plan: ShardingPlan, entry: PlanEntry) -> str:
             "axes (the parameter's explanation says why it has them)"
         )
     elif annotation is not None and annotation.logical_axes is not None:
-        lines += _rule_lines(plan, entry, annotation, sizes)
+        lines += _rule_lines(entry, annotation, mesh, rules)
     elif annotation is not None:
         lines.append("  mesh axes given directly: no rules apply")
     padded = resolution.padded
@@ -84,15 +86,18 @@ def source_of(annotation: Annotation | None) -> str:
 
 
 def _rule_lines(
-    plan: ShardingPlan, entry: PlanEntry, annotation: Annotation, sizes: dict[str, int]
+    entry: PlanEntry,
+    annotation: Annotation,
+    mesh: Mesh | AbstractMesh,
+    plan_rules: LogicalRules | None,
 ) -> list[str]:
-    if plan.rules is None:
+    if plan_rules is None:
         return ["  (the rules this plan was made with were not recorded: no rule trace)"]
-    mesh = plan.mesh
-    rules = annotation.rules_with(plan.rules, tuple(mesh.axis_names))
+    sizes = dict(mesh.shape)
+    rules = annotation.rules_with(plan_rules, tuple(mesh.axis_names))
     names = annotation.logical_axes or ()
     steps = resolver(rules, tuple(sizes.items())).trace(names, entry.shape)
-    origin = _Origin(plan.rules, annotation)
+    origin = _Origin(plan_rules, annotation)
     lines = ["  rules for these names, in order:"]
     for step in steps:
         name, target = rules[step.rule]

@@ -9,7 +9,7 @@ optimizer state takes the annotation of the parameter it tracks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from flax_escale import _checks as check
+from flax_escale._paths import is_box, leaves_with_paths, unbox
 from flax_escale.plan._annotation import (
     AXES,
     GRAPH,
@@ -31,13 +32,30 @@ from flax_escale.plan._annotation import (
     read_annotation,
 )
 from flax_escale.plan._follow import Followed, follow_params
-from flax_escale.plan._paths import is_box, leaves_with_paths, unbox
 
-__all__ = ["annotated_leaves", "arrays_only", "read_arrays"]
+__all__ = ["AnnotatedLeaf", "annotated_leaves", "arrays_only", "read_arrays"]
 
 _PARAMS_AXES = "params_axes"
 _OPT_STATE = "opt_state"
 _AXES_SUFFIX = "_axes"
+
+
+class AnnotatedLeaf(NamedTuple):
+    """A leaf of a variables tree with its path and its annotation: what a plan is built from.
+
+    :func:`annotated_leaves` gives one per leaf and :func:`~flax_escale.plan.build_plan` takes
+    them; as a tuple it unpacks as ``path, leaf, annotation``.
+
+    Attributes:
+        path: The leaf's path, ``/``-joined (``params/Dense_0/kernel``).
+        leaf: Its value, unboxed: an array or a ``jax.ShapeDtypeStruct`` (or, before
+            :func:`arrays_only`, any other leaf).
+        annotation: Its annotation, or ``None`` if it has none (it is replicated).
+    """
+
+    path: str
+    leaf: Any
+    annotation: Annotation | None
 
 
 def annotated_leaves(
@@ -45,12 +63,12 @@ def annotated_leaves(
     *,
     sources: Mapping[str, str] | None = None,
     own_sharding: bool = False,
-) -> tuple[Any, list[tuple[str, Any, Annotation | None]]]:
+) -> tuple[Any, list[AnnotatedLeaf]]:
     """Every leaf of ``tree`` with its path, its value and its annotation.
 
     ``tree`` may be Linen variables (boxed, or plain with a ``params_axes`` collection from
     ``param_with_axes``), a train state, NNX modules, optimizers or states, or any pytree
-    of those. Boxes count as leaves (see ``flax_escale.plan._paths.flatten_with_paths``).
+    of those. Boxes count as leaves (see ``flax_escale._paths.flatten_with_paths``).
     A leaf under an ``opt_state`` (a train state's or an ``nnx.Optimizer``'s) follows the
     parameter it tracks, whose annotation optax and NNX copy onto it whatever its shape (and
     which it lacks when the names are in ``params_axes``): it keeps the names of the dimensions
@@ -67,8 +85,8 @@ def annotated_leaves(
             annotation (in mesh axes), for looking at arrays that already exist.
 
     Returns:
-        The treedef (boxes and modules replaced by one entry) and ``[(path, value,
-        annotation)]`` in flattening order.
+        The treedef (boxes and modules replaced by one entry) and one
+        :class:`AnnotatedLeaf` per leaf, in flattening order.
 
     Raises:
         EscaleTypeError: If ``tree`` is a string, ``None``, a number, or a tree without arrays.
@@ -80,8 +98,9 @@ def annotated_leaves(
         >>> variables = {"params": {"w": jnp.zeros((8, 4))},
         ...              "params_axes": {"w_axes": partitioning.AxisMetadata(("embed", "mlp"))}}
         >>> _, items = annotated_leaves(variables)
-        >>> [(path, a.logical_axes, a.source) for path, _, a in items]
-        [('params/w', ('embed', 'mlp'), 'param_with_axes')]
+        >>> item = items[0]
+        >>> item.path, item.annotation.logical_axes, item.annotation.source
+        ('params/w', ('embed', 'mlp'), 'param_with_axes')
     """
     leaves = _Leaves(tree)
     if not leaves.leaves or not leaves.has_arrays():
@@ -89,7 +108,7 @@ def annotated_leaves(
     return leaves.treedef, leaves.read(sources or {}, own_sharding)
 
 
-def read_arrays(tree: Any) -> tuple[Any, list[tuple[str, Any, Annotation | None]]] | None:
+def read_arrays(tree: Any) -> tuple[Any, list[AnnotatedLeaf]] | None:
     """:func:`annotated_leaves` of ``tree``, or ``None`` if it has leaves but none is an array.
 
     For callers that take either annotated variables or a tree of logical specs (whose leaves
@@ -101,19 +120,17 @@ def read_arrays(tree: Any) -> tuple[Any, list[tuple[str, Any, Annotation | None]
     return leaves.treedef, leaves.read({}, False)
 
 
-def arrays_only(
-    treedef: Any, items: list[tuple[str, Any, Annotation | None]]
-) -> tuple[Any, list[tuple[str, Any, Annotation | None]]]:
+def arrays_only(treedef: Any, items: list[AnnotatedLeaf]) -> tuple[Any, list[AnnotatedLeaf]]:
     """The items that are arrays, and the structure with the other leaves left out.
 
     Leaves that are not arrays (a step counter as a Python int, a string) have no layout; the
     structure returned has ``None`` where they were, so a plan of the arrays unflattens into it.
     """
-    arrays = [(path, value, a) for path, value, a in items if hasattr(value, "shape")]
-    if len(arrays) == len(items):
+    is_array = [hasattr(leaf, "shape") for _, leaf, _ in items]
+    if all(is_array):
         return treedef, items
-    kept = treedef.unflatten([0 if hasattr(v, "shape") else None for _, v, _ in items])
-    return jax.tree.structure(kept), arrays
+    kept = treedef.unflatten([0 if array else None for array in is_array])
+    return jax.tree.structure(kept), [item for item, a in zip(items, is_array, strict=True) if a]
 
 
 class _Leaves:
@@ -152,10 +169,8 @@ class _Leaves:
         """Whether a leaf (unboxed) is an array."""
         return any(hasattr(unbox(leaf), "shape") for leaf in self.leaves)
 
-    def read(
-        self, sources: Mapping[str, str], own_sharding: bool
-    ) -> list[tuple[str, Any, Annotation | None]]:
-        """``[(path, value, annotation)]``, optimizer state following its parameter."""
+    def read(self, sources: Mapping[str, str], own_sharding: bool) -> list[AnnotatedLeaf]:
+        """One :class:`AnnotatedLeaf` per leaf, optimizer state following its parameter."""
         read = _Reader(sources)
         params_axes = self.params_axes
         found = []
@@ -169,7 +184,7 @@ class _Leaves:
                 if isinstance(sharding, NamedSharding):
                     spec = (*sharding.spec, *(None,) * (np.ndim(value) - len(sharding.spec)))
                     annotation = Annotation(mesh_axes=spec, source="array sharding")
-            append((path, value, annotation))
+            append(AnnotatedLeaf(path, value, annotation))
         return _follow_params(found)
 
 
@@ -245,8 +260,8 @@ def _params_axes(paths: list[str], leaves: list[Any]) -> dict[str, Annotation]:
 
 
 def _follow_params(
-    found: list[tuple[str, Any, Annotation | None]],
-) -> list[tuple[str, Any, Annotation | None]]:
+    found: list[AnnotatedLeaf],
+) -> list[AnnotatedLeaf]:
     # optax and NNX copy a parameter's box or metadata onto every optimizer-state leaf made from
     # it, whatever that leaf's shape (Adafactor's factored statistics, its (1,) placeholders):
     # the names are right only where the shapes agree, so state leaves re-derive theirs from
@@ -283,7 +298,7 @@ def _follow_params(
             if annotation is None:
                 param_path, _, param_annotation = params[follow.param]
                 annotation = made[follow] = param_annotation.following(param_path, follow.entries)
-        items[i] = (path, value, annotation)
+        items[i] = AnnotatedLeaf(path, value, annotation)
     return items
 
 

@@ -17,10 +17,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._paths import flatten_with_paths
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError
 from flax_escale.plan._follow import follow_params
-from flax_escale.plan._paths import flatten_with_paths
 
 __all__ = [
     "add_data_axes",
@@ -28,6 +28,7 @@ __all__ = [
     "follow_shardings",
     "init_opt_state",
     "opt_state_shardings",
+    "sharding_of_param",
     "shardings_checked",
 ]
 
@@ -80,7 +81,7 @@ def shardings_checked(
 ) -> Any:
     """:func:`opt_state_shardings` for a transformation and axis names already checked."""
     flat, _ = flatten_with_paths(params)
-    tracked = [(path, np.shape(value), named_sharding_of(value)) for path, value, _ in flat]
+    tracked = [(path, np.shape(value), sharding_of_param(value)) for path, value, _ in flat]
     meshes = {sharding.mesh for _, _, sharding in tracked}
     if not meshes:
         raise EscaleError("params: there are no parameters to create optimizer state for.")
@@ -101,15 +102,15 @@ def init_opt_state(
 
     Example:
         >>> import jax
-        >>> import jax.numpy as jnp
         >>> import optax
-        >>> from jax.sharding import NamedSharding, PartitionSpec
-        >>> from flax_escale import create_mesh, init_opt_state
-        >>> mesh = create_mesh((1, 8, 1, 1, 1))
-        >>> w = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, PartitionSpec("fsdp")))
-        >>> state = init_opt_state(optax.adam(1e-3), {"w": w})
-        >>> state[0].nu["w"].sharding.spec, state[0].nu["w"].addressable_shards[0].data.shape
-        (P('fsdp',), (2, 4))
+        >>> import flax_escale as fe
+        >>> mesh = fe.create_mesh((1, 8, 1, 1, 1))
+        >>> shardings = fe.logical_to_mesh_sharding({"embedding": ("vocab", None)}, mesh)
+        >>> params = jax.device_put({"embedding": jax.numpy.ones((16, 4))}, shardings)
+        >>> state = fe.init_opt_state(optax.sgd(0.1, momentum=0.9), params)
+        >>> trace = state[0].trace["embedding"]  # the momentum, born split like its parameter
+        >>> trace.sharding.spec, trace.addressable_shards[0].data.shape
+        (P(('fsdp', 'sp'), None), (2, 4))
     """
     return create_checked(
         check.transformation(tx, "tx"), params, check.names(shard_over, "shard_over")
@@ -140,7 +141,7 @@ def follow_shardings(
 
     Args:
         state: The state, or ``jax.eval_shape`` of it; Flax boxes and NNX variables count as
-            leaves (see :func:`~flax_escale.plan._paths.flatten_with_paths`), so paths read
+            leaves (see :func:`~flax_escale._paths.flatten_with_paths`), so paths read
             like ``0/mu/wi/kernel`` or, in an NNX optimizer, ``opt_state/0/mu/wi/kernel``.
         params: ``(path, shape, sharding)`` per parameter, paths ``/``-joined like
             ``wi/kernel``.
@@ -206,7 +207,12 @@ def follow_shardings(
     return treedef.unflatten(shardings)
 
 
-def named_sharding_of(param: Any) -> NamedSharding:
+def sharding_of_param(param: Any) -> NamedSharding:
+    """The ``NamedSharding`` a parameter already has, which its optimizer state follows.
+
+    Raises:
+        EscaleError: If ``param`` carries no ``NamedSharding`` (it was not created sharded).
+    """
     sharding = getattr(param, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         raise EscaleError(

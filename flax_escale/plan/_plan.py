@@ -10,53 +10,26 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale._specs import mesh_text
 from flax_escale._units import format_bytes
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.plan._annotation import Annotation
-from flax_escale.plan._collector import collector_paused
-from flax_escale.plan._diff import PlanDiff, diff_plans
+from flax_escale.plan._diff import PlanDiff, diff_entries
+from flax_escale.plan._entry import PlanEntry
 from flax_escale.plan._explain import explain_entry
-from flax_escale.plan._resolving import (
-    IDLE_AXES_MIN_BYTES,
-    array_dtype,
-    array_shape,
-    resolve_items,
-    sharding_tree,
-)
+from flax_escale.plan._resolving import sharding_tree
 from flax_escale.plan._serialize import plan_from_json, plan_to_json
-from flax_escale.resolve import (
-    Completion,
-    Resolution,
-    RulesLike,
-    as_logical_rules,
-)
+from flax_escale.resolve import Completion
 from flax_escale.resolve._fit import Correction
 
-__all__ = [
-    "IDLE_AXES_MIN_BYTES",
-    "USE_IDLE_AXES",
-    "PlanEntry",
-    "ShardingPlan",
-    "UnknownPathError",
-    "build_plan",
-    "plan_checked",
-    "unknown_path_message",
-]
-
-USE_IDLE_AXES = True
-"""The one default of every ``use_idle_axes`` option: parameters reach their ideal share."""
+__all__ = ["ShardingPlan", "UnknownPathError", "unknown_path_message"]
 
 
 class UnknownPathError(EscaleError, KeyError):
@@ -98,53 +71,6 @@ def _checked_path(path: Any, argument: str) -> str:
             "e.g. 'params/Dense_0/kernel' ([e.path for e in plan] lists them)."
         )
     return path
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanEntry:
-    """One array of the plan.
-
-    Attributes:
-        path: The array's path in the variables, ``/``-separated.
-        shape: The array's shape.
-        dtype: The array's dtype.
-        annotation: Its annotation, or ``None`` if it has none (it is replicated).
-        resolution: The resolved spec with what was passed over and corrected.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    annotation: Annotation | None
-    resolution: Resolution
-
-    @property
-    def spec(self) -> PartitionSpec:
-        """The resolved ``PartitionSpec``."""
-        return self.resolution.spec
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole array."""
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-    def nbytes_per_device(self, mesh: Mesh | AbstractMesh) -> int:
-        """Bytes of the shard each device holds on ``mesh``.
-
-        Raises:
-            EscaleTypeError: If ``mesh`` is not a mesh.
-            EscaleError: If the spec names an axis ``mesh`` lacks (another plan's mesh).
-        """
-        axes = [a for entry in self.spec for a in mesh_axes_of(entry)]
-        try:
-            return self.nbytes // math.prod(mesh.shape[a] for a in axes)
-        except (AttributeError, KeyError, TypeError):
-            check.mesh(mesh, "PlanEntry.nbytes_per_device: mesh")
-            raise EscaleError(
-                f"PlanEntry.nbytes_per_device: {self.path!r} has the spec {self.spec}, which "
-                f"names axes the mesh ({mesh_text(mesh.shape)}) lacks; pass the plan's own "
-                "mesh (plan.mesh)."
-            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,28 +152,27 @@ class ShardingPlan:
             EscaleTypeError: If ``other`` is not a ``ShardingPlan``.
 
         Example:
-            >>> import flax.linen as nn
             >>> import jax
-            >>> import jax.numpy as jnp
             >>> import flax_escale as fe
-            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-            >>> x = jnp.ones((2, 8))
-            >>> a = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, x)
-            >>> b = fe.plan_sharding(model, fe.create_mesh((1, 8, 1, 1, 1)), 0, x)
-            >>> print(a.diff(b).describe())  # doctest: +NORMALIZE_WHITESPACE
-            1 array(s) differ, 1 the same (mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1) -> (dp=1,
-            fsdp=8, ep=1, tp=1, sp=1)); bytes per device +0
-            path           what   spec before             spec after              before  after
-              notes
-            params/kernel  spec   P(('fsdp', 'sp'), 'tp')  P(('fsdp', 'sp'), None)  24 B  24 B
+            >>> from flax_escale.plan import Annotation, build_plan
+            >>> w = ("w", jax.ShapeDtypeStruct((8, 6), "float32"), Annotation(("embed", "mlp")))
+            >>> mesh = fe.create_mesh((1, 4, 1, 2, 1))
+            >>> def planned(rules):  # the one array under these rules
+            ...     return build_plan(jax.tree.structure([0]), [w], mesh, rules=rules)
+            >>> split = planned([("embed", "fsdp"), ("mlp", "tp")])
+            >>> kept_whole = planned([("embed", "fsdp"), ("mlp", None)])
+            >>> print(split.diff(kept_whole).describe())  # doctest: +NORMALIZE_WHITESPACE
+            1 array(s) differ, 0 the same (mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)); bytes per
+            device +24
+            path  what         spec before      spec after       before  after  notes
+            w     spec, bytes  P('fsdp', 'tp')  P('fsdp', None)  24 B    48 B
         """
         if not isinstance(other, ShardingPlan):
             raise EscaleTypeError(
                 f"ShardingPlan.diff: other must be a ShardingPlan, got {check.describe(other)}; "
                 "pass another plan (plan_sharding, or ShardingPlan.from_json)."
             )
-        return diff_plans(self, other)
+        return diff_entries(self.entries, self.mesh, other.entries, other.mesh)
 
     def to_json(self) -> str:
         """The plan as JSON text, for a snapshot that pins the layout (see ``from_json``).
@@ -260,7 +185,7 @@ class ShardingPlan:
         Raises:
             EscaleError: If a spec holds an entry JSON cannot keep.
         """
-        return plan_to_json(self)
+        return plan_to_json(self.mesh, self.entries, self.notes, self.rules)
 
     @classmethod
     def from_json(
@@ -299,19 +224,22 @@ class ShardingPlan:
                 or ``mesh`` has another shape.
 
         Example:
-            >>> import flax.linen as nn
-            >>> import flax_escale as fe
-            >>> import jax.numpy as jnp
-            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-            >>> plan = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, jnp.ones((2, 8)))
-            >>> loaded = fe.ShardingPlan.from_json(plan.to_json())
-            >>> loaded["params/kernel"].spec, bool(loaded.diff(plan))
-            (P(('fsdp', 'sp'), 'tp'), False)
+            >>> import jax
+            >>> from flax_escale import create_mesh
+            >>> from flax_escale.plan import Annotation, ShardingPlan, build_plan
+            >>> mesh = create_mesh((1, 8, 1, 1, 1))
+            >>> leaves = {"w": jax.ShapeDtypeStruct((16, 4), "float32")}
+            >>> items = [("w", leaves["w"], Annotation(mesh_axes=("fsdp", None)))]
+            >>> snapshot = build_plan(jax.tree.structure(leaves), items, mesh).to_json()
+            >>> dict(ShardingPlan.from_json(snapshot).mesh.shape)  # an abstract mesh
+            {'dp': 1, 'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1}
+            >>> loaded = ShardingPlan.from_json(snapshot, mesh)  # or the devices' own
+            >>> loaded.specs(), loaded.mesh is mesh
+            ({'w': P('fsdp', None)}, True)
         """
         if source is not None:
             source = check.path(source, "ShardingPlan.from_json: source")
-        return plan_from_json(text, mesh, source=source)
+        return cls(**plan_from_json(text, mesh, source=source)._asdict())
 
     def explain(self, path: str) -> str:
         """Why the array at ``path`` has its spec, step by step.
@@ -335,30 +263,28 @@ class ShardingPlan:
             EscaleTypeError: If ``path`` is not a string.
 
         Example:
-            >>> import flax.linen as nn
             >>> import jax
-            >>> import jax.numpy as jnp
             >>> import flax_escale as fe
-            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-            >>> mesh = fe.create_mesh((1, 4, 1, 2, 1))
-            >>> plan = fe.plan_sharding(model, mesh, jax.random.key(0), jnp.ones((2, 8)))
-            >>> print(plan.explain("params/kernel"))  # doctest: +NORMALIZE_WHITESPACE
-            params/kernel: float32[8, 6] on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)
-              annotation: logical axes ('hidden_state', 'mlp_intermediate'), from
-                nn.with_logical_partitioning
+            >>> from flax_escale.plan import AnnotatedLeaf, Annotation, build_plan
+            >>> table = jax.ShapeDtypeStruct((6, 8), "bfloat16")
+            >>> item = AnnotatedLeaf("embedding", table, Annotation(("vocab", "hidden_state")))
+            >>> plan = build_plan(jax.tree.structure([0]), [item], fe.create_mesh((1, 4, 1, 2, 1)))
+            >>> print(plan.explain("embedding"))  # doctest: +NORMALIZE_WHITESPACE
+            embedding: bfloat16[6, 8] on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)
+              annotation: logical axes ('vocab', 'hidden_state'), from the model
               rules for these names, in order:
-                rules[3] ('mlp_intermediate', 'tp') on dim 1: applied
-                rules[9] ('hidden_state', 'tp') on dim 0: passed over: 'tp' already splits
-                  dim 1
-                rules[17] ('hidden_state', ('fsdp', 'sp')) on dim 0: applied
-                rules[21] ('mlp_intermediate', ('fsdp', 'sp')) on dim 1: passed over: an
-                  earlier rule already set this dimension
-              the rules give P(('fsdp', 'sp'), 'tp')
-              spec: P(('fsdp', 'sp'), 'tp')
-              bytes per device: 24 B of 192 B (1.00x the ideal share, 24 B)
+                rules[0] ('vocab', 'tp') on dim 0: applied
+                rules[9] ('hidden_state', 'tp') on dim 1: passed over: 'tp' already splits
+                  dim 0
+                rules[17] ('hidden_state', ('fsdp', 'sp')) on dim 1: applied
+                rules[18] ('vocab', ('fsdp', 'sp')) on dim 0: passed over: an earlier rule
+                  already set this dimension
+              the rules give P('tp', ('fsdp', 'sp'))
+              spec: P('tp', ('fsdp', 'sp'))
+              bytes per device: 12 B of 96 B (1.00x the ideal share, 12 B)
         """
-        return explain_entry(self, self._entry(path, "ShardingPlan.explain: path"))
+        entry = self._entry(path, "ShardingPlan.explain: path")
+        return explain_entry(entry, self.mesh, self.rules)
 
     def specs(self) -> Any:
         """The ``PartitionSpec`` of every array, as a tree shaped like the variables."""
@@ -427,126 +353,3 @@ class ShardingPlan:
             + f"{len(self.unannotated)} unannotated"
         )
         return "\n".join([*(line.rstrip() for line in lines), footer, *self.notes])
-
-
-def build_plan(
-    treedef: Any,
-    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
-    mesh: Mesh,
-    *,
-    rules: RulesLike = None,
-    strict: bool = False,
-    notes: Sequence[str] = (),
-    use_idle_axes: bool = USE_IDLE_AXES,
-) -> ShardingPlan:
-    """Resolves every array's annotation with the one resolver, shape-aware on ``mesh``.
-
-    Args:
-        treedef: The structure of the variables the items flatten.
-        items: ``(path, abstract array, annotation)`` per leaf, in flattening order.
-        mesh: The mesh.
-        rules: Rules for logical annotations that carry none themselves.
-        strict: Raise at the first correction, unknown logical name or note, instead of warning.
-        notes: Problems that concern no single array (strict mode raises on them too).
-        use_idle_axes: Complete every variable of at least :data:`IDLE_AXES_MIN_BYTES` with
-            the mesh axes the plan's variables are split over somewhere, or its own names'
-            rules name, but it is not (see
-            :func:`~flax_escale.resolve.complete_spec`); optimizer state follows its
-            completed parameter.
-
-    Returns:
-        The plan.
-
-    Raises:
-        ShardingResolutionError: In strict mode, if a spec had to be corrected or a logical
-            name has no rule.
-        EscaleError: In strict mode, if there are notes.
-        EscaleTypeError: If ``mesh`` is not a mesh, ``treedef`` not a ``PyTreeDef`` of one
-            leaf per item, an item not a ``(path, array, annotation)`` triple, or ``notes`` not
-            a sequence of strings.
-        EscaleError: If two items have the same path.
-    """
-    return plan_checked(
-        _checked_treedef(treedef, len(_checked_items(items))),
-        items,
-        check.mesh(mesh),
-        as_logical_rules(rules),
-        strict=check.flag(strict, "strict"),
-        notes=_checked_notes(notes),
-        use_idle_axes=check.flag(use_idle_axes, "use_idle_axes"),
-    )
-
-
-def _checked_items(items: Any) -> Sequence[tuple[str, Any, Annotation | None]]:
-    items = check.sequence(
-        items, "build_plan: items", "(path, array, annotation) triples", "annotated_leaves(tree)[1]"
-    )
-    for index, item in enumerate(items):
-        if not (
-            isinstance(item, (tuple, list))
-            and len(item) == 3
-            and isinstance(item[0], str)
-            and (item[2] is None or isinstance(item[2], Annotation))
-        ):
-            # The array is checked where every entry point's leaves are (resolve_items).
-            raise EscaleTypeError(
-                f"build_plan: items[{index}] must be a (path, array, annotation) triple: a "
-                "string, an array or jax.ShapeDtypeStruct, and an Annotation or None; got "
-                f"{check.describe(item)}. annotated_leaves(tree) gives such items."
-            )
-    paths = [item[0] for item in items]
-    if len(set(paths)) != len(paths):
-        twice = next(path for path in paths if paths.count(path) > 1)
-        raise EscaleError(
-            f"build_plan: items name the path {twice!r} {paths.count(twice)} times; a plan "
-            "holds one array per path: give each item its own path."
-        )
-    return items
-
-
-def _checked_notes(notes: Any) -> tuple[str, ...]:
-    notes = check.sequence(notes, "build_plan: notes", "strings", "('a note',)")
-    for note in notes:
-        if not isinstance(note, str):
-            raise EscaleTypeError(
-                f"build_plan: notes must be a sequence of strings, got {notes!r} whose entry "
-                f"{check.describe(note)} is not a string."
-            )
-    return notes
-
-
-def _checked_treedef(treedef: Any, count: int) -> Any:
-    if not isinstance(treedef, jax.tree_util.PyTreeDef) or treedef.num_leaves != count:
-        raise EscaleTypeError(
-            f"build_plan: treedef must be the PyTreeDef of the {count} items' variables, got "
-            f"{check.describe(treedef)}; pass the treedef annotated_leaves(tree) gives with them."
-        )
-    return treedef
-
-
-def plan_checked(
-    treedef: Any,
-    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
-    mesh: Mesh,
-    frozen: LogicalRules,
-    *,
-    strict: bool,
-    notes: tuple[str, ...],
-    use_idle_axes: bool,
-) -> ShardingPlan:
-    """:func:`build_plan` for values already checked: a mesh, frozen rules, bools, notes."""
-    with collector_paused():
-        resolutions = resolve_items(
-            items,
-            mesh,
-            frozen,
-            strict=strict,
-            notes=notes,
-            use_idle_axes=use_idle_axes,
-            stacklevel=4,
-        )
-        entries = tuple(
-            PlanEntry(path, array_shape(leaf), array_dtype(leaf), annotation, resolution)
-            for (path, leaf, annotation), resolution in zip(items, resolutions, strict=True)
-        )
-    return ShardingPlan(mesh, entries, treedef, notes, frozen)

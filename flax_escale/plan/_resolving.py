@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -30,6 +29,7 @@ from flax_escale.errors import (
     ShardingResolutionError,
 )
 from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._leaves import AnnotatedLeaf
 from flax_escale.resolve import Resolution, complete_spec, enforce, fit_mesh_axes
 from flax_escale.resolve._resolution import at_path
 from flax_escale.resolve._resolver import Resolver, resolver
@@ -37,12 +37,16 @@ from flax_escale.resolve._resolver import Resolver, resolver
 __all__ = [
     "IDLE_AXES_MIN_BYTES",
     "STACKED_NAMES",
+    "USE_IDLE_AXES",
+    "ResolveOptions",
     "array_dtype",
     "array_shape",
     "resolve_items",
     "sharding_tree",
 ]
 
+USE_IDLE_AXES = True
+"""The one default of every ``use_idle_axes`` option: parameters reach their ideal share."""
 IDLE_AXES_MIN_BYTES = 1 << 20
 """Variables smaller than this keep the rules' spec: splitting them saves little and costs
 collectives."""
@@ -51,15 +55,24 @@ STACKED_NAMES = frozenset({"layers", "stack"})
 ``stack``), which completion never splits."""
 
 
+class ResolveOptions(NamedTuple):
+    """How a plan's arrays are resolved, every value already checked.
+
+    Attributes:
+        rules: The plan's rules, frozen.
+        strict: Raise at the first correction, unknown logical name or note.
+        notes: Problems that concern no single array.
+        use_idle_axes: Complete large parameters (see :func:`~flax_escale.plan.build_plan`).
+    """
+
+    rules: LogicalRules
+    strict: bool
+    notes: tuple[str, ...]
+    use_idle_axes: bool
+
+
 def resolve_items(
-    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
-    mesh: Mesh,
-    frozen: LogicalRules,
-    *,
-    strict: bool,
-    notes: tuple[str, ...],
-    use_idle_axes: bool,
-    stacklevel: int = 2,
+    items: Sequence[AnnotatedLeaf], mesh: Mesh, options: ResolveOptions, *, stacklevel: int = 2
 ) -> list[Resolution]:
     """The resolution of every item, as a plan records it, without the plan.
 
@@ -71,18 +84,16 @@ def resolve_items(
     resolved), and completed, once.
 
     Args:
-        items: ``(path, abstract array, annotation)`` per leaf, in flattening order.
+        items: One :class:`~flax_escale.plan.AnnotatedLeaf` per leaf (an array or abstract
+            array), in flattening order.
         mesh: The mesh.
-        frozen: The plan's rules, frozen.
-        strict: Raise at the first correction, unknown logical name or note.
-        notes: Problems that concern no single array.
-        use_idle_axes: Complete large parameters (see
-            :func:`~flax_escale.plan.build_plan`).
+        options: The rules, strict mode, notes and whether idle axes are put to use.
         stacklevel: Of the warning, counted from the caller of this function.
 
     Returns:
         One resolution per item.
     """
+    frozen, strict, notes, use_idle_axes = options
     shapes = [_shape_at(path, leaf) for path, leaf, _ in items]
     resolve = _Resolving(mesh, frozen, strict)
     resolutions: list[Resolution | None] = []
@@ -119,9 +130,7 @@ def resolve_items(
     return resolutions
 
 
-def _problems(
-    items: Sequence[tuple[str, Any, Annotation | None]], resolutions: Sequence[Resolution]
-) -> list[str]:
+def _problems(items: Sequence[AnnotatedLeaf], resolutions: Sequence[Resolution]) -> list[str]:
     # What each array's resolution could not apply, naming its path. Arrays that share a
     # resolution (every layer's query kernel) share the text after the path: it is built once.
     described: dict[int, str] = {}
@@ -257,7 +266,7 @@ class _Resolving:
 
 def _complete(
     resolutions: list[Resolution | None],
-    items: Sequence[tuple[str, jax.ShapeDtypeStruct, Annotation | None]],
+    items: Sequence[AnnotatedLeaf],
     mesh: Mesh,
     rules: LogicalRules,
 ) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, NoReturn, get_args
+from collections.abc import Sequence
+from typing import Any, NamedTuple, NoReturn, get_args
 
 import jax
 import numpy as np
@@ -18,34 +19,56 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
+from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.plan import _json_fields as fields
 from flax_escale.plan._annotation import Annotation
+from flax_escale.plan._entry import PlanEntry
 from flax_escale.resolve import Completion, Resolution
 from flax_escale.resolve._fit import Correction, CorrectionKind
 from flax_escale.resolve._resolution import PassedOver
 
-if TYPE_CHECKING:
-    from flax_escale.plan._plan import PlanEntry, ShardingPlan
-
-__all__ = ["FORMAT", "plan_from_json", "plan_to_json"]
+__all__ = ["FORMAT", "LoadedPlan", "plan_from_json", "plan_to_json"]
 
 FORMAT = "flax_escale.ShardingPlan/1"
 """The ``format`` field of a plan's JSON: a reader refuses another."""
 
 
-def plan_to_json(plan: ShardingPlan) -> str:
-    """``plan`` as JSON text (see :meth:`ShardingPlan.to_json`)."""
+class LoadedPlan(NamedTuple):
+    """What a plan's JSON holds: the fields ``ShardingPlan.from_json`` makes the plan of.
+
+    Attributes:
+        mesh: The mesh given, or an abstract mesh of the recorded shape and axis types.
+        entries: One entry per array, sorted by path.
+        treedef: A structure keyed by path (the model's own is not recorded).
+        notes: The plan's notes.
+        rules: The plan's rules (``None``: not recorded).
+    """
+
+    mesh: Mesh | AbstractMesh
+    entries: tuple[PlanEntry, ...]
+    treedef: Any
+    notes: tuple[str, ...]
+    rules: LogicalRules | None
+
+
+def plan_to_json(
+    mesh: Mesh | AbstractMesh,
+    entries: Sequence[PlanEntry],
+    notes: Sequence[str],
+    rules: LogicalRules | None,
+) -> str:
+    """A plan's fields as JSON text (see ``ShardingPlan.to_json``)."""
     data = {
         "format": FORMAT,
         # (pairs, not an object: keys are sorted when written, and the axes' order matters)
-        "mesh": [[axis, size] for axis, size in plan.mesh.shape.items()],
+        "mesh": [[axis, size] for axis, size in mesh.shape.items()],
         # Auto, Explicit or Manual per axis: what a bare AbstractMesh defaults to changed
         # with JAX 0.12 (Explicit), so the kind is written rather than left to the reader's JAX.
-        "axis_types": [t.name for t in plan.mesh.axis_types],
-        "rules": None if plan.rules is None else _rules(plan.rules),
-        "notes": list(plan.notes),
-        "arrays": [_entry(e) for e in plan.entries],
+        "axis_types": [t.name for t in mesh.axis_types],
+        "rules": None if rules is None else _rules(rules),
+        "notes": list(notes),
+        "arrays": [_entry(e) for e in entries],
     }
     # One array per line: a snapshot's diff in review shows which arrays changed.
     arrays = ",\n  ".join(json.dumps(a, sort_keys=True) for a in data.pop("arrays"))
@@ -55,10 +78,8 @@ def plan_to_json(plan: ShardingPlan) -> str:
 
 def plan_from_json(
     text: str, mesh: Mesh | AbstractMesh | None = None, *, source: str | None = None
-) -> ShardingPlan:
-    """The plan ``text`` holds (see :meth:`ShardingPlan.from_json`); ``source`` names its file."""
-    from flax_escale.plan._plan import ShardingPlan  # (it imports this module)
-
+) -> LoadedPlan:
+    """The plan ``text`` holds (see ``ShardingPlan.from_json``); ``source`` names its file."""
     if not isinstance(text, str):
         raise EscaleTypeError(
             f"ShardingPlan.from_json: text must be the JSON string to_json() wrote, got "
@@ -84,7 +105,7 @@ def plan_from_json(
     mesh = loader.mesh(sizes, mesh)
     entries = loader.entries(sizes)
     treedef = _keyed_by_path([e.path for e in entries])
-    return ShardingPlan(
+    return LoadedPlan(
         mesh,
         entries,
         treedef,
@@ -240,8 +261,6 @@ class _Loader:
         return tuple(read[path] for path in sorted(read))
 
     def _entry(self, array: dict[str, Any], sizes: dict[str, int], where: str) -> PlanEntry:
-        from flax_escale.plan._plan import PlanEntry  # (it imports this module)
-
         shape = array["shape"]
         self._check_spec(array["spec"], shape, sizes, where)
         for index, completion in enumerate(array["completed"]):
@@ -292,7 +311,7 @@ class _Loader:
                 )
 
 
-def _entry(entry: Any) -> dict[str, Any]:
+def _entry(entry: PlanEntry) -> dict[str, Any]:
     a, r = entry.annotation, entry.resolution
     return {
         "path": entry.path,

@@ -12,8 +12,7 @@ from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleTypeError
 from flax_escale.plan._collector import collector_paused
 from flax_escale.plan._leaves import read_arrays
-from flax_escale.plan._plan import USE_IDLE_AXES
-from flax_escale.plan._resolving import resolve_items, sharding_tree
+from flax_escale.plan._resolving import USE_IDLE_AXES, ResolveOptions, resolve_items, sharding_tree
 from flax_escale.resolve import RulesLike, as_logical_rules, enforce, resolve_logical_axes
 
 __all__ = ["logical_to_mesh_sharding"]
@@ -135,9 +134,8 @@ def _planned(tree: Any, mesh: Mesh, frozen: LogicalRules, strict: bool, use_idle
     if annotated is None:
         return _SPECS
     treedef, items = annotated
-    resolutions = resolve_items(
-        items, mesh, frozen, strict=strict, notes=(), use_idle_axes=use_idle_axes, stacklevel=3
-    )
+    options = ResolveOptions(frozen, strict, (), use_idle_axes)
+    resolutions = resolve_items(items, mesh, options, stacklevel=3)
     return sharding_tree(mesh, treedef, resolutions)
 
 

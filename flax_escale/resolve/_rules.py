@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 import flax.linen as nn
 from jax.sharding import PartitionSpec
 
+from flax_escale import _checks as check
 from flax_escale._checks import describe
 from flax_escale._compat import rules_context_is_set
 from flax_escale._specs import mesh_axes_of
@@ -46,16 +47,13 @@ def as_logical_rules(rules: RulesLike = None) -> LogicalRules:
         rules = nn.get_logical_axis_rules()
         if not rules and not rules_context_is_set():
             return _translated(PartitionAxis())
-    if isinstance(rules, str):
-        raise EscaleTypeError(
-            f"rules must be a sequence of (logical name, mesh axes) pairs, got the string "
-            f"{rules!r}; pass e.g. [({rules!r}, 'dp')]."
-        )
-    if not isinstance(rules, Sequence):
-        raise EscaleTypeError(
-            "rules must be a sequence of (logical name, mesh axes) pairs or a PartitionAxis, "
-            f"got {describe(rules)}."
-        )
+    check.kind(
+        rules,
+        Sequence,
+        "rules",
+        "a sequence of (logical name, mesh axes) pairs or a PartitionAxis",
+        string_fix=f"pass e.g. [({rules!r}, 'dp')]",
+    )
     if isinstance(rules, tuple):
         try:
             return _frozen(rules)

@@ -13,8 +13,7 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, without_unit_explicit_axes
 from flax_escale.errors import EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
-from flax_escale.resolve import Resolution, enforce, fit_mesh_axes
-from flax_escale.resolve._fit import Correction
+from flax_escale.resolve import Correction, Resolution, enforce, fit_mesh_axes
 from flax_escale.sharding._use_sharding import no_mesh_in_this_thread
 
 __all__ = ["apply_spec", "enforce_unconstrained", "with_sharding_constraint"]

@@ -21,8 +21,13 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of, without_unit_explicit_axes
 from flax_escale.axes import LogicalRules
 from flax_escale.errors import EscaleError, EscaleTypeError, ShardingResolutionError
-from flax_escale.resolve import Resolution, enforce, fit_spec, resolve_logical_axes
-from flax_escale.resolve._fit import Correction
+from flax_escale.resolve import (
+    Correction,
+    Resolution,
+    enforce,
+    fit_spec,
+    resolve_logical_axes,
+)
 
 __all__ = ["MapAxes", "arrays_of"]
 

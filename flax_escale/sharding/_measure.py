@@ -11,10 +11,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale._checks import describe
+from flax_escale._paths import flatten_with_paths
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.plan._paths import flatten_with_paths
-from flax_escale.resolve._fit import fit_spec
+from flax_escale.resolve import fit_spec
 
 __all__ = [
     "LayoutFigures",

@@ -1,7 +1,7 @@
 """Regex partition rules: a ``PartitionSpec`` for every array, chosen by its path.
 
 Paths are the ``/``-joined keys from the root of the tree (dict keys, attribute names, list
-indices), with Flax boxes treated as leaves (see :mod:`flax_escale.plan._paths`), so a Linen
+indices), with Flax boxes treated as leaves (see :mod:`flax_escale._paths`), so a Linen
 boxed parameter, an NNX ``State`` entry and a plain array at the same place all have the path
 ``params/mlp/wi/kernel`` and a rule ``kernel$`` matches each of them.
 """
@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._checks import describe
+from flax_escale._paths import flatten_with_paths
 from flax_escale._regex import UserPattern
 from flax_escale.errors import EscaleError, EscaleTypeError, ShardingCorrectionWarning
-from flax_escale.plan._paths import flatten_with_paths
 from flax_escale.resolve import Resolution, enforce, fit_spec
 
 __all__ = ["DEFAULT_MIN_SIZE", "PartitionRuleError", "checked_min_size", "specs_from_regex"]

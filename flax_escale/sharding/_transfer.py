@@ -11,9 +11,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
+from flax_escale._paths import path_of
 from flax_escale.errors import EscaleError, EscaleTypeError
 from flax_escale.mesh import current_mesh
-from flax_escale.plan._paths import path_of
 from flax_escale.resolve import enforce, fit_mesh_axes
 
 __all__ = [
@@ -173,16 +173,18 @@ def reshard_tree(tree: Any, shardings: Any, *, mesh: Mesh | None = None) -> Any:
             not a mesh.
 
     Example:
+        One spec places every array of a tree; a tree of specs moves each its own way, here
+        from a training mesh of 8 devices to a serving mesh of 4:
+
         >>> import jax
         >>> import numpy as np
-        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> from jax.sharding import PartitionSpec as P
         >>> from flax_escale import create_mesh, reshard_tree
         >>> train = create_mesh((1, 8, 1, 1, 1))
+        >>> params = reshard_tree({"w": np.arange(64.0).reshape(8, 8)}, P("fsdp"), mesh=train)
         >>> serve = create_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
-        >>> w = jax.device_put(np.arange(64.0).reshape(8, 8),
-        ...                    NamedSharding(train, PartitionSpec("fsdp")))
-        >>> moved = reshard_tree({"w": w}, {"w": PartitionSpec(None, "tp")}, mesh=serve)["w"]
-        >>> moved.sharding.spec, len(moved.sharding.device_set), np.array_equal(moved, w)
+        >>> moved = reshard_tree(params, {"w": P(None, "tp")}, mesh=serve)["w"]
+        >>> moved.sharding.spec, len(moved.sharding.device_set), np.array_equal(moved, params["w"])
         (P(None, 'tp'), 4, True)
     """
     mesh = check.optional_mesh(mesh)

@@ -7,16 +7,17 @@ ranks the meshes that fit a per-device memory budget by a step time estimated on
 16GiB`` prints the same plan as a table.
 """
 
+from flax_escale._units import parse_bytes
 from flax_escale.sizing._candidates import PLANNED_AXES, mesh_shapes
 from flax_escale.sizing._estimate import ESTIMATE_TERMS
 from flax_escale.sizing._evaluate import Figures
-from flax_escale.sizing._plan_mesh import load_factory, plan_mesh
+from flax_escale.sizing._factory import load_factory
+from flax_escale.sizing._plan_mesh import plan_mesh
 from flax_escale.sizing._profiles import (
     PROFILES,
     HardwareProfile,
     hardware_profile,
     measure_cpu_profile,
-    parse_bytes,
 )
 from flax_escale.sizing._result import Candidate, MeshPlan
 from flax_escale.sizing._workload import Workload, mean_square

@@ -26,12 +26,13 @@ from flax_escale.sizing._estimate import (
     textbook_communication,
     tokens_per_device,
 )
-from flax_escale.sizing._hlo._reader import READER_VERSION, program_costs
+from flax_escale.sizing._hlo import READER_VERSION, program_costs
 from flax_escale.sizing._profiles import HardwareProfile
-from flax_escale.sizing._workload import Workload, batch_shardings, lower_programs
+from flax_escale.sizing._programs import batch_shardings, lower_programs
+from flax_escale.sizing._workload import Workload
+from flax_escale.tools import Resharding, will_it_fit
 from flax_escale.tools._data import batch_resolution
-from flax_escale.tools._memory import will_it_fit
-from flax_escale.tools._reshardings import Resharding, compile_collecting
+from flax_escale.tools._reshardings import compile_collecting
 
 __all__ = ["TRACE_FAILURE", "Figures", "evaluate"]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -15,9 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale.errors import EscaleError, EscaleTypeError
-from flax_escale.sizing._hlo._reader import program_costs
+from flax_escale.sizing._hlo import program_costs
 
-__all__ = ["PROFILES", "HardwareProfile", "hardware_profile", "measure_cpu_profile", "parse_bytes"]
+__all__ = ["PROFILES", "HardwareProfile", "hardware_profile", "measure_cpu_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,38 +106,6 @@ def hardware_profile(profile: str | HardwareProfile) -> HardwareProfile:
     )
 
 
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: int | str, name: str = "memory") -> int:
-    """Bytes from an int or a size such as ``"16GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5T"``.
-
-    Binary prefixes (``GiB``) are powers of 1024, decimal ones (``GB``, ``G``) of 1000.
-
-    Raises:
-        EscaleError: If the text is not a size or the size is not positive.
-        EscaleTypeError: If ``value`` is neither an int nor a string.
-
-    Example:
-        >>> from flax_escale.sizing import parse_bytes
-        >>> parse_bytes("16GiB"), parse_bytes("80GB"), parse_bytes(1024)
-        (17179869184, 80000000000, 1024)
-    """
-    if isinstance(value, str):
-        match = _BYTES.match(value)
-        if match is None:
-            raise EscaleError(
-                f"{name}: {value!r} is not a size; write it like '16GiB', '80GB' or 17179869184."
-            )
-        number, prefix, binary = match.groups()
-        power = "kmgt".index(prefix.lower()) + 1 if prefix else 0
-        value = int(float(number) * (1024 if binary else 1000) ** power)
-        if value <= 0:
-            raise EscaleError(f"{name}: the size must be positive, got {match.group(0)!r}.")
-        return value
-    return check.positive_int(value, name)
-
-
 def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     """Measures the profile of ``mesh``'s devices: how this machine runs a sharded program.
 
@@ -146,7 +113,7 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
     device), an all-gather of 16 MiB (bytes each device sends per second, as
-    ``flax_escale.sizing._hlo._reader`` counts them), an all-reduce of one value per device
+    ``flax_escale.sizing._hlo`` counts them), an all-reduce of one value per device
     (latency) and an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:

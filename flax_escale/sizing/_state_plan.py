@@ -6,9 +6,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from flax_escale.plan import annotated_leaves, build_plan
-from flax_escale.plan._plan import ShardingPlan
-from flax_escale.sizing._workload import Workload, _linen_state, _nnx_state
+from flax_escale.plan import ShardingPlan, annotated_leaves, build_plan
+from flax_escale.sizing._programs import step_state
+from flax_escale.sizing._workload import Workload
 
 __all__ = ["train_state_plan"]
 
@@ -49,7 +49,7 @@ def train_state_plan(workload: Workload, mesh: Mesh) -> ShardingPlan:
     """
     params = workload.plan(mesh)
     # The state the step is lowered with: its optimizer-state shardings are the ones to show.
-    state, _ = (_linen_state if workload.is_linen else _nnx_state)(workload, mesh, params)
+    state, _ = step_state(workload, mesh, params)
     if workload.is_linen:
         held = {"opt_state": state.opt_state, "step": state.step}
     else:

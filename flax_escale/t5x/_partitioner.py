@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from flax_escale import _checks as check
@@ -23,11 +22,11 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale.axes import LogicalRules, PartitionAxis
 from flax_escale.errors import EscaleError, EscaleTypeError, MeshError
 from flax_escale.mesh import assert_same_mesh
-from flax_escale.plan import ShardingPlan
-from flax_escale.plan._plan import USE_IDLE_AXES
+from flax_escale.plan import USE_IDLE_AXES, ShardingPlan
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.sharding import use_sharding
 from flax_escale.sharding._transfer import as_named_sharding, is_spec_leaf
+from flax_escale.t5x._argnums import check_arity, jit_argnums
 from flax_escale.t5x._axes import standard_logical_axis_rules
 from flax_escale.t5x._data import DataPartitioning
 from flax_escale.t5x._mesh import default_mesh
@@ -291,13 +290,10 @@ class Partitioner(DataPartitioning, StatePartitioning):
             P('fsdp',)
         """
         check.callable_(fn, "fn", "pass the step function itself, e.g. partition(train_step, ...).")
-        positional = _positional_parameters(fn)
-        static = _argnums(static_argnums, "static_argnums", fn, positional)
-        donate = _argnums(donate_argnums, "donate_argnums", fn, positional)
-        _check_not_both(static, donate, positional)
+        static, donate = jit_argnums(fn, static_argnums, donate_argnums)
         in_shardings = self._shardings(in_axis_resources)
         out_shardings = self._shardings(out_axis_resources)
-        _check_arity(fn, in_axis_resources, static, positional)
+        check_arity(fn, in_axis_resources, static)
         jitted = jax.jit(
             fn,
             in_shardings=in_shardings,
@@ -313,14 +309,13 @@ class Partitioner(DataPartitioning, StatePartitioning):
         Example:
             >>> import jax
             >>> import jax.numpy as jnp
-            >>> from jax.sharding import PartitionSpec
             >>> from flax_escale import create_mesh
             >>> from flax_escale.t5x import Partitioner
             >>> partitioner = Partitioner(mesh=create_mesh((1, 8, 1, 1, 1)))
-            >>> double = partitioner.partition(lambda x: 2 * x, None, PartitionSpec("fsdp"))
-            >>> compiled = partitioner.compile(double, jax.ShapeDtypeStruct((8,), jnp.float32))
-            >>> compiled(jnp.ones(8)).addressable_shards[0].data.shape
-            (1,)
+            >>> total = partitioner.partition(jnp.sum, None, None)
+            >>> compiled = partitioner.compile(total, jax.ShapeDtypeStruct((8,), jnp.float32))
+            >>> compiled.input_shardings[0][0].is_fully_replicated, float(compiled(jnp.ones(8)))
+            (True, 8.0)
         """
         return partitioned_fn.lower(*args).compile()
 
@@ -349,110 +344,3 @@ def _check_rules_fit(rules: LogicalRules, mesh: Mesh) -> None:
             "PartitionAxis whose fields name only its axes, say), or build the mesh with those "
             "axes (of size 1 where unused)."
         )
-
-
-# partition()'s checks of its function's positional parameters, which jax.jit reports (if at
-# all) with errors that name neither the argument nor what to pass.
-
-
-def _positional_parameters(fn: Callable[..., Any]) -> tuple[int, int | None] | None:
-    """``(required, most)`` positional parameters of ``fn`` (``most`` None with ``*args``).
-
-    None when ``fn``'s signature cannot be read (some builtins): then nothing is checked.
-    """
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p for p in parameters if p.kind in kinds]
-    required = sum(p.default is inspect.Parameter.empty for p in positional)
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
-        return required, None
-    return required, len(positional)
-
-
-def _signature_text(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__name__", type(fn).__name__)
-    return f"{name}{inspect.signature(fn)}"
-
-
-def _argnums(
-    value: Any, argument: str, fn: Callable[..., Any], positional: tuple[int, int | None] | None
-) -> tuple[int, ...]:
-    """``value`` (an index or a sequence of them) as a tuple of ints within ``fn``'s parameters.
-
-    A bool is refused: jax.jit would take ``True`` as the index 1.
-    """
-    items = value if isinstance(value, Sequence) and not isinstance(value, str) else (value,)
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
-            raise EscaleTypeError(
-                f"{argument} must be an int or a sequence of ints (indices of fn's positional "
-                f"arguments), got {check.describe(value)}; pass e.g. 1 or (0, 2), or () for none."
-            )
-    indices = tuple(int(item) for item in items)
-    most = None if positional is None else positional[1]
-    if most is None:
-        return indices
-    for index in indices:
-        if not -most <= index < most:
-            allowed = (
-                f"indices from 0 to {most - 1} (or -{most} to -1, from the end)"
-                if most
-                else "() (it takes none)"
-            )
-            raise EscaleError(
-                f"{argument} {value!r} names the positional argument {index}, but fn "
-                f"{_signature_text(fn)} takes {most} positional argument(s); pass {allowed}."
-            )
-    return indices
-
-
-def _check_not_both(
-    static: tuple[int, ...], donate: tuple[int, ...], positional: tuple[int, int | None] | None
-) -> None:
-    # Without a known count, negative indices cannot be compared with positive ones.
-    most = None if positional is None else positional[1]
-    normal = (lambda i: i % most) if most else (lambda i: i)
-    both = sorted({normal(i) for i in static} & {normal(i) for i in donate})
-    if both:
-        raise EscaleError(
-            f"static_argnums {static} and donate_argnums {donate} both name the positional "
-            f"argument {both[0]}; a static argument is a compile-time constant, not a buffer to "
-            "donate: drop it from one of them."
-        )
-
-
-def _check_arity(
-    fn: Callable[..., Any],
-    resources: Any,
-    static: tuple[int, ...],
-    positional: tuple[int, int | None] | None,
-) -> None:
-    """Refuses a tuple of specs that no call of ``fn`` could match one to one.
-
-    jax.jit wants one spec per positional argument that is not static, and takes none by
-    keyword; so a call passes ``k`` positional arguments, ``required <= k <= most``, of which
-    those not in ``static`` (negative indices counting from ``k``) get the specs.
-    """
-    if type(resources) is not tuple or positional is None:  # a PartitionSpec is a tuple too
-        return
-    required, most = positional
-    count = len(resources)
-    # Each call's non-static count is at least k - len(static), so larger k cannot match.
-    highest = count + len(static) if most is None else min(most, count + len(static))
-
-    def dynamic(k: int) -> int:
-        taken = {i + k if i < 0 else i for i in static}
-        return k - len({i for i in taken if 0 <= i < k})
-
-    if any(dynamic(k) == count for k in range(required, highest + 1)):
-        return
-    takes = f"{required}" if most == required else f"{required} to {most or 'any number of'}"
-    raise EscaleTypeError(
-        f"in_axis_resources gives {count} spec(s) (a tuple of {count}), one per positional "
-        f"argument that is not static, but fn {_signature_text(fn)} takes {takes} positional "
-        f"argument(s) with static_argnums {static}; give one spec per argument of fn, less the "
-        "static ones (e.g. (None,) * n), or one spec (not a tuple) for all of them."
-    )

@@ -16,8 +16,14 @@ from flax_escale import _checks as check
 from flax_escale._frontend._options import InitOptions
 from flax_escale._frontend._pipeline import plan_variables
 from flax_escale.axes import LogicalRules
-from flax_escale.plan import Annotation, ShardingPlan, annotated_leaves, arrays_only
-from flax_escale.plan._plan import USE_IDLE_AXES
+from flax_escale.plan import (
+    USE_IDLE_AXES,
+    AnnotatedLeaf,
+    Annotation,
+    ShardingPlan,
+    annotated_leaves,
+    arrays_only,
+)
 from flax_escale.sharding import make_shard_and_gather_fns
 from flax_escale.t5x._axes import AxisNames
 
@@ -105,17 +111,17 @@ class StatePartitioning:
         in :meth:`move_params_to_devices`, ``None`` is replicated.
 
         Example:
-            >>> import flax.linen as nn
             >>> import jax
             >>> import jax.numpy as jnp
+            >>> from flax import linen as nn
             >>> from flax_escale import create_mesh
             >>> from flax_escale.t5x import Partitioner
-            >>> partitioner = Partitioner(mesh=create_mesh((1, 4, 1, 2, 1)))
-            >>> names = ("hidden_state", "mlp_intermediate")
-            >>> kernel = nn.LogicallyPartitioned(jnp.zeros((8, 16)), names)
-            >>> step = jax.ShapeDtypeStruct((), jnp.int32)
-            >>> partitioner.get_mesh_axes({"kernel": kernel, "step": step})
-            {'kernel': P(('fsdp', 'sp'), 'tp'), 'step': None}
+            >>> boxed = nn.LogicallyPartitioned
+            >>> state = {"kernel": boxed(jnp.zeros((8, 16)), ("hidden_state", "mlp_intermediate")),
+            ...          "stack": boxed(jnp.zeros((3,)), ("layers",)),  # names, all unsharded
+            ...          "step": jax.ShapeDtypeStruct((), jnp.int32)}  # no names
+            >>> Partitioner(mesh=create_mesh((1, 4, 1, 2, 1))).get_mesh_axes(state)
+            {'kernel': P(('fsdp', 'sp'), 'tp'), 'stack': P(None,), 'step': None}
         """
         treedef, items = annotated_leaves(train_state)
         specs = iter(self._plan(treedef, items, strict=strict).entries)
@@ -149,9 +155,7 @@ class StatePartitioning:
         shard_fns, _ = make_shard_and_gather_fns(train_state_axes, self.mesh)
         return jax.tree.map(lambda fn, x: jax.tree.map(fn, x), shard_fns, train_state)
 
-    def _plan(
-        self, treedef: Any, items: list[tuple[str, Any, Annotation | None]], *, strict: bool
-    ) -> ShardingPlan:
+    def _plan(self, treedef: Any, items: list[AnnotatedLeaf], *, strict: bool) -> ShardingPlan:
         structure, arrays = arrays_only(treedef, items)
         options = InitOptions(
             self.logical_axis_rules, strict=strict, use_idle_axes=self.use_idle_axes

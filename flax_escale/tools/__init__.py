@@ -7,6 +7,7 @@ local multi-process launcher (``python -m flax_escale launch``). The top level r
 user reaches for.
 """
 
+from flax_escale.tools._blocks import DeviceBlock
 from flax_escale.tools._checkpoint import restore_checkpoint, save_checkpoint
 from flax_escale.tools._data import (
     batch_sharding,
@@ -16,14 +17,8 @@ from flax_escale.tools._data import (
 )
 from flax_escale.tools._launch import free_port, launch, process_environment
 from flax_escale.tools._memory import MemoryEstimate, will_it_fit
-from flax_escale.tools._picture import (
-    DeviceBlock,
-    LayoutPicture,
-    MemoryBars,
-    layout_picture,
-    memory_bars,
-    memory_by_device,
-)
+from flax_escale.tools._memory_bars import MemoryBars, memory_bars, memory_by_device
+from flax_escale.tools._picture import LayoutPicture, layout_picture
 from flax_escale.tools._report import (
     ShardingReport,
     UnshardedParameterError,

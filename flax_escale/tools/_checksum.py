@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_escale.plan._paths import path_of
+from flax_escale._paths import path_of
 
 __all__ = ["ALGORITHM", "checksums"]
 

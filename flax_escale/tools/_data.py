@@ -67,23 +67,19 @@ def batch_sharding(
         ...
         flax_escale.errors.ShardingResolutionError: logical axes ('batch', 'sequence') with ...
     """
-    resolution = batch_resolution(mesh, shape, logical_axes, rules, strict=strict)
+    resolution = batch_resolution(mesh, shape, logical_axes, rules)
     spec = enforce(resolution, strict=strict).spec
     return NamedSharding(mesh, without_unit_explicit_axes(spec, mesh))
 
 
 def batch_resolution(
-    mesh: Mesh,
-    shape: tuple[int, ...],
-    logical_axes: LogicalAxes = None,
-    rules: RulesLike = None,
-    *,
-    strict: bool = False,
+    mesh: Mesh, shape: tuple[int, ...], logical_axes: LogicalAxes = None, rules: RulesLike = None
 ) -> Resolution:
     """How :func:`batch_sharding` resolves a batch's names, before anything is enforced.
 
-    Arguments are :func:`batch_sharding`'s. The resolution tells what could not apply
-    (``corrections``, ``unknown_names``) without warning about it.
+    Arguments are :func:`batch_sharding`'s but ``strict``: the resolution tells what could not
+    apply (``corrections``, ``unknown_names``) without warning or raising about it; the caller
+    enforces it.
     """
     if isinstance(logical_axes, str):
         raise EscaleTypeError(
@@ -94,7 +90,7 @@ def batch_resolution(
     shape = check.shape(shape, "shape")
     names = tuple(logical_axes) if logical_axes is not None else BATCH_AXES[: len(shape)]
     names = names + (None,) * (len(shape) - len(names))
-    return resolve_logical_axes(names, rules, shape=shape, mesh=mesh, strict=strict)
+    return resolve_logical_axes(names, rules, shape=shape, mesh=mesh)
 
 
 def process_batch_slice(

@@ -26,11 +26,11 @@ from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
 from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError
+from flax_escale.plan import PlanEntry, ShardingPlan
 from flax_escale.plan._explain import explain_entry
 from flax_escale.plan._leaves import _in_opt_state
-from flax_escale.plan._plan import PlanEntry, ShardingPlan
 from flax_escale.sharding._measure import device_blocks, device_ids
-from flax_escale.tools._picture import memory_by_device
+from flax_escale.tools._memory_bars import memory_by_device
 
 __all__ = ["MARKER", "page_data", "render_html", "write_html"]
 
@@ -248,7 +248,7 @@ def _array(
         + [c.detail for c in resolution.completed],
         "opt": _in_opt_state(entry.path),
         "layout": layout_index,
-        "explain": explain_entry(plan, entry),
+        "explain": explain_entry(entry, plan.mesh, plan.rules),
     }
 
 

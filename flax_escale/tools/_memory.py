@@ -123,11 +123,9 @@ def will_it_fit(
     Example:
         >>> import jax
         >>> import numpy as np
-        >>> from jax.sharding import NamedSharding, PartitionSpec
-        >>> from flax_escale import create_mesh, will_it_fit
-        >>> mesh = create_mesh((1, 8, 1, 1, 1))
-        >>> fsdp = NamedSharding(mesh, PartitionSpec("fsdp"))
-        >>> x = jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=fsdp)
+        >>> from flax_escale import batch_sharding, create_mesh, will_it_fit
+        >>> rows = batch_sharding(create_mesh((1, 8, 1, 1, 1)), (1024, 256))  # 128 per device
+        >>> x = jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=rows)
         >>> estimate = will_it_fit(lambda x: x * 2, x, device_bytes=1 << 20)
         >>> estimate.argument_bytes, estimate.output_bytes, estimate.fits
         (131072, 131072, True)

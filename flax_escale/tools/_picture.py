@@ -1,11 +1,9 @@
-"""Pictures of a layout: which block of an array each device holds, and each device's memory.
+"""The picture of a layout: which block of an array each device holds.
 
 ``layout_picture`` draws one array (of a plan, before anything exists, or a live array) as a
-grid over the mesh; ``memory_bars`` draws what every device holds of a whole plan, parameters
-apart from optimizer state. Both are data first (``LayoutPicture.devices``,
-``memory_by_device``), with a ``rich`` rendering for the terminal and plain text for logs; the
-blocks come from :func:`~flax_escale.sharding._measure.device_blocks`, the one place that
-places them.
+grid over the mesh. It is data first (``LayoutPicture.devices``), with a ``rich`` rendering for
+the terminal, plain text for logs and a treescope node for notebooks; the blocks come from
+:func:`~flax_escale.sharding._measure.device_blocks`, the one place that places them.
 """
 
 from __future__ import annotations
@@ -21,52 +19,20 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+from treescope import rendering_parts
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
 from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
-from flax_escale.plan._leaves import _in_opt_state
-from flax_escale.plan._plan import PlanEntry, ShardingPlan
-from flax_escale.sharding._measure import device_blocks, device_ids, elements_per_device
+from flax_escale.plan import PlanEntry, ShardingPlan
+from flax_escale.sharding._measure import device_blocks, device_ids
+from flax_escale.tools._blocks import DeviceBlock, blocks_part
 
-__all__ = [
-    "DeviceBlock",
-    "LayoutPicture",
-    "MemoryBars",
-    "layout_picture",
-    "memory_bars",
-    "memory_by_device",
-]
+__all__ = ["LayoutPicture", "layout_picture", "picture_part"]
 
 # Replicas share a block and so a colour; distinct blocks cycle through these.
 _PALETTE = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceBlock:
-    """What one device holds of an array.
-
-    Attributes:
-        device_id: The device's id.
-        coords: Its place in the mesh, ``{axis: index}`` for every mesh axis.
-        block: ``(start, stop)`` per dimension of the array; a padded dimension's last blocks
-            are short or empty.
-        nbytes: Bytes of the block.
-    """
-
-    device_id: int
-    coords: dict[str, int]
-    block: tuple[tuple[int, int], ...]
-    nbytes: int
-
-    def block_text(self, shape: tuple[int, ...]) -> str:
-        """The block as slices, a whole dimension as ``:`` (``[0:256, :]``)."""
-        parts = [
-            ":" if (start, stop) == (0, size) else f"{start}:{stop}"
-            for (start, stop), size in zip(self.block, shape, strict=True)
-        ]
-        return "[" + ", ".join(parts) + "]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,14 +187,31 @@ class LayoutPicture:
         return Group(Text(self.title()), self.table(), Text(self.share_text()))
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        # (imported here: the treescope module builds on this one)
-        from flax_escale.tools._treescope import picture_part
-
         del subtree_renderer
         return picture_part(self, path)
 
     def _split_axes(self) -> list[str]:
         return [axis for axis, size in self.mesh_shape.items() if size > 1]
+
+
+def picture_part(picture: LayoutPicture, path: str | None, expand_state: Any = None) -> Any:
+    """A :class:`LayoutPicture` as a treescope node: its title, treescope's drawing, its text.
+
+    The drawing is treescope's ``render_array_sharding``, fed the picture's blocks; it is left
+    out where it cannot apply (blocks of unequal length, from padding; a scalar).
+    """
+    lines = picture.describe().splitlines()
+    drawing = blocks_part(picture.shape, picture.devices)
+    children = [rendering_parts.text(lines[1]), *([drawing] if drawing is not None else [])]
+    children += [rendering_parts.text(line) for line in lines[2:]]
+    return rendering_parts.build_custom_foldable_tree_node(
+        label=rendering_parts.abbreviation_color(rendering_parts.text(lines[0])),
+        contents=rendering_parts.fold_condition(
+            expanded=rendering_parts.indented_children(children)
+        ),
+        path=path,
+        expand_state=expand_state or rendering_parts.ExpandState.EXPANDED,
+    )
 
 
 def _position(axes: list[str], key: tuple[int, ...]) -> str:
@@ -361,154 +344,3 @@ def _picture(
         for device, block in device_blocks(shape, spec, mesh)
     )
     return LayoutPicture(path, shape, np.dtype(dtype), spec, dict(mesh.shape), devices)
-
-
-def memory_by_device(plan: ShardingPlan) -> dict[int, tuple[int, int]]:
-    """What each device holds of ``plan``: ``{device id: (parameter bytes, optimizer bytes)}``.
-
-    Optimizer state is every array under an ``opt_state`` path component; everything else
-    counts as parameters. Blocks are exact (padding and replication included), so the sums
-    are ``sharding_report(plan).bytes_per_device``.
-
-    Raises:
-        EscaleTypeError: If ``plan`` is not a ``ShardingPlan``.
-
-    Example:
-        >>> import flax.linen as nn
-        >>> import jax.numpy as jnp
-        >>> import flax_escale as fe
-        >>> from flax_escale.tools import memory_by_device
-        >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-        >>> plan = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, jnp.ones((2, 8)))
-        >>> memory_by_device(plan)[0]
-        (48, 0)
-    """
-    plan = check.instance(plan, ShardingPlan, "plan", "fe.plan_sharding(model, mesh, rng, x)")
-    held = {int(device): [0, 0] for device in device_ids(plan.mesh).flat}
-    for entry in plan:
-        kind = 1 if _in_opt_state(entry.path) else 0
-        itemsize = np.dtype(entry.dtype).itemsize
-        for device, elements in elements_per_device(entry.path, entry.shape, entry.spec, plan.mesh):
-            held[device][kind] += elements * itemsize
-    return {device: (params, opt) for device, (params, opt) in held.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryBars:
-    """What each device holds of a plan, as bars: parameters, optimizer state, the ideal share.
-
-    Attributes:
-        by_device: ``{device id: (parameter bytes, optimizer-state bytes)}``.
-        total_bytes: Bytes of all arrays of the plan.
-        mesh_shape: ``{axis: size}`` of the mesh.
-        width: Characters of the longest bar.
-    """
-
-    by_device: dict[int, tuple[int, int]]
-    total_bytes: int
-    mesh_shape: dict[str, int]
-    width: int = 40
-
-    @property
-    def ideal_device_bytes(self) -> float:
-        """All arrays over the devices, what each would hold if everything were split evenly."""
-        return self.total_bytes / len(self.by_device)
-
-    def _bar(self, params: int, opt: int, glyphs: str, styles: tuple[str, ...]) -> Text:
-        # One cell per width / (the fullest device or the ideal share, the larger) bytes: the
-        # parameters' cells, the optimizer state's, blanks, and the ideal share's column over them.
-        top = max([sum(held) for held in self.by_device.values()] + [self.ideal_device_bytes])
-        scale = self.width / top if top else 0.0
-        param_cells = round(params * scale)
-        opt_cells = round((params + opt) * scale) - param_cells
-        cells = [(glyphs[0], styles[0])] * param_cells + [(glyphs[1], styles[1])] * opt_cells
-        cells += [(" ", "")] * (self.width + 1 - len(cells))
-        cells[round(self.ideal_device_bytes * scale)] = (glyphs[2], styles[2])
-        text = Text()
-        for glyph, style in cells:
-            text.append(glyph, style=style)
-        return text
-
-    def caption(self) -> str:
-        """The totals and the ideal share."""
-        return (
-            f"{format_bytes(self.total_bytes)} over {len(self.by_device)} devices on mesh "
-            f"({mesh_text(self.mesh_shape)}); ideal share {format_bytes(self.ideal_device_bytes)}"
-        )
-
-    def describe(self) -> str:
-        """Plain text: ``#`` parameters, ``=`` optimizer state, ``|`` the ideal share.
-
-        Example:
-            >>> import flax.linen as nn
-            >>> import jax.numpy as jnp
-            >>> import flax_escale as fe
-            >>> from flax_escale.tools import memory_bars
-            >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-            ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-            >>> plan = fe.plan_sharding(model, fe.create_mesh((1, 8, 1, 1, 1)), 0, jnp.ones((2, 8)))
-            >>> print(memory_bars(plan, width=10).describe())  # doctest: +NORMALIZE_WHITESPACE
-            216 B over 8 devices on mesh (dp=1, fsdp=8, ep=1, tp=1, sp=1); ideal share 27 B
-            device 0 ######|###  48 B (params 48 B, optimizer state 0 B)
-            ...
-            device 7 ######|###  48 B (params 48 B, optimizer state 0 B)
-        """
-        lines = [self.caption()]
-        for device, (params, opt) in self.by_device.items():
-            bar = self._bar(params, opt, "#=|", ("", "", "")).plain
-            lines.append(
-                f"device {device} {bar} {format_bytes(params + opt)} (params "
-                f"{format_bytes(params)}, optimizer state {format_bytes(opt)})"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.describe()
-
-    def table(self) -> Table:
-        """The bars as a ``rich`` table: parameters, optimizer state, the ideal share ``│``."""
-        table = Table(title="memory per device")
-        for name in ("device", "█ parameters ▒ optimizer state │ ideal", "total", "params", "opt"):
-            table.add_column(name, justify="left" if name.startswith("█") else "right")
-        for device, (params, opt) in self.by_device.items():
-            bar = self._bar(params, opt, "█▒│", ("cyan", "magenta", "bold red"))
-            sizes = (format_bytes(params + opt), format_bytes(params), format_bytes(opt))
-            table.add_row(str(device), bar, *sizes)
-        return table
-
-    def __rich__(self) -> Group:
-        return Group(self.table(), Text(self.caption()))
-
-
-def memory_bars(plan: ShardingPlan, *, width: int = 40) -> MemoryBars:
-    """Bars of what each device holds of ``plan``, split into parameters and optimizer state.
-
-    Args:
-        plan: The plan (``plan_sharding``, or ``sharding_report(...).plan`` of a model with
-            its optimizer).
-        width: Characters of the longest bar (or of the ideal share, if larger).
-
-    Returns:
-        A :class:`MemoryBars`: ``rich`` prints it, ``str()`` gives plain text,
-        ``by_device`` the figures (those of :func:`memory_by_device`).
-
-    Raises:
-        EscaleTypeError: If ``plan`` is not a ``ShardingPlan`` or ``width`` not an int
-            (``EscaleError`` when below 1).
-
-    Example:
-        >>> import flax.linen as nn
-        >>> import jax.numpy as jnp
-        >>> import flax_escale as fe
-        >>> from flax_escale.tools import memory_bars
-        >>> model = nn.Dense(6, kernel_init=nn.with_logical_partitioning(
-        ...     nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")))
-        >>> plan = fe.plan_sharding(model, fe.create_mesh((1, 4, 1, 2, 1)), 0, jnp.ones((2, 8)))
-        >>> bars = memory_bars(plan)
-        >>> bars.by_device[0], bars.ideal_device_bytes
-        ((48, 0), 27.0)
-    """
-    width = check.positive_int(width, "width")
-    by_device = memory_by_device(plan)
-    return MemoryBars(by_device, plan.nbytes, dict(plan.mesh.shape), width)

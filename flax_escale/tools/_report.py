@@ -18,8 +18,13 @@ from flax_escale._specs import mesh_axes_of, mesh_text
 from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
-from flax_escale.plan import annotated_leaves, arrays_only
-from flax_escale.plan._plan import ShardingPlan, build_plan
+from flax_escale.plan import (
+    AnnotatedLeaf,
+    ShardingPlan,
+    annotated_leaves,
+    arrays_only,
+    build_plan,
+)
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.resolve._fit import Correction
 from flax_escale.sharding import spec_from_shape
@@ -194,9 +199,8 @@ def sharding_report(
         >>> import numpy as np
         >>> from jax.sharding import NamedSharding, PartitionSpec
         >>> from flax_escale import create_mesh, sharding_report
-        >>> mesh = create_mesh((1, 4, 1, 2, 1))
-        >>> sharding = NamedSharding(mesh, PartitionSpec("fsdp", "tp"))
-        >>> w = jax.device_put(np.zeros((8, 4), np.float32), sharding)
+        >>> blocks = NamedSharding(create_mesh((1, 4, 1, 2, 1)), PartitionSpec("fsdp", "tp"))
+        >>> w = jax.device_put(np.zeros((8, 4), np.float32), blocks)  # 2 x 2 on each device
         >>> report = sharding_report({"w": w}, show=False)
         >>> report.total_bytes, report.max_device_bytes, report.balance_score
         (128, 16, 1.0)
@@ -296,7 +300,7 @@ def _plan_on(
 
 
 def _mesh_of(
-    items: list[tuple[str, Any, Any]], given: Mesh | AbstractMesh | None
+    items: list[AnnotatedLeaf], given: Mesh | AbstractMesh | None
 ) -> Mesh | AbstractMesh | None:
     # The one mesh the arrays that carry a NamedSharding live on (checked against mesh=
     # when it is given): a report shows one mesh, and shows arrays where they are.

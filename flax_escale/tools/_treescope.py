@@ -4,8 +4,9 @@ treescope draws an array by slicing its edges under ``jax.jit``. On a mesh with 
 axes the slice's type keeps the array's sharding, and JAX refuses a slice whose length the
 mesh axes do not divide (``ShardingTypeError``): every array treescope does not summarize on
 the host (on CPU from 100,000 elements) fails to render. The arrays are drawn here from an
-``Auto`` view of the same buffers (no copy), and treescope's own sharding picture draws the
-blocks of :func:`~flax_escale.sharding._measure.device_blocks`.
+``Auto`` view of the same buffers (no copy). A :class:`~flax_escale.tools.LayoutPicture` draws
+itself (:func:`~flax_escale.tools._picture.picture_part`); plans and arrays are drawn here,
+through treescope's registry, with one picture per array.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from typing import Any
 
 import jax
 import numpy as np
-import treescope
 from jax.sharding import AxisType, NamedSharding
-from treescope import ndarray_adapters, rendering_parts, type_registries
+from treescope import rendering_parts, type_registries
 from treescope.external import jax_support
 
 from flax_escale._units import format_bytes
 from flax_escale.mesh import with_auto_axes
-from flax_escale.plan._plan import ShardingPlan
-from flax_escale.tools._picture import LayoutPicture, layout_picture, memory_bars
+from flax_escale.plan import ShardingPlan
+from flax_escale.tools._memory_bars import memory_bars
+from flax_escale.tools._picture import layout_picture, picture_part
 
-__all__ = ["picture_part", "plan_part", "register_treescope"]
+__all__ = ["plan_part", "register_treescope"]
 
 
 _CHARARRAY = "The chararray class is deprecated"
@@ -39,8 +40,8 @@ def register_treescope() -> None:
     memory bars and one picture per array, and a ``jax.Array`` as treescope does plus, when it
     is split over several devices, a folded picture of its blocks. Arrays on meshes with
     ``Explicit`` axes, which treescope alone fails to draw from 100,000 elements, are read
-    through an ``Auto`` view of the same buffers. :class:`LayoutPicture` needs no registration.
-    Calling it again changes nothing.
+    through an ``Auto`` view of the same buffers. A :class:`~flax_escale.tools.LayoutPicture`
+    needs no registration. Calling it again changes nothing.
 
     Example:
         >>> import jax
@@ -131,71 +132,3 @@ def plan_part(plan: ShardingPlan, path: str | None) -> Any:
         path=path,
         expand_state=rendering_parts.ExpandState.EXPANDED,
     )
-
-
-def picture_part(
-    picture: LayoutPicture,
-    path: str | None,
-    expand_state: Any = None,
-) -> Any:
-    """A :class:`LayoutPicture` as a treescope node: its title, treescope's drawing, its text.
-
-    The drawing is treescope's ``render_array_sharding``, fed the picture's blocks; it is left
-    out where it cannot apply (blocks of unequal length, from padding; a scalar).
-    """
-    lines = picture.describe().splitlines()
-    children = [rendering_parts.text(lines[1])]
-    if _even(picture):
-        children.append(treescope.render_array_sharding(_Blocks(picture)).treescope_part)
-    children += [rendering_parts.text(line) for line in lines[2:]]
-    return rendering_parts.build_custom_foldable_tree_node(
-        label=rendering_parts.abbreviation_color(rendering_parts.text(lines[0])),
-        contents=rendering_parts.fold_condition(
-            expanded=rendering_parts.indented_children(children)
-        ),
-        path=path,
-        expand_state=expand_state or rendering_parts.ExpandState.EXPANDED,
-    )
-
-
-def _even(picture: LayoutPicture) -> bool:
-    lengths = {tuple(stop - start for start, stop in d.block) for d in picture.devices}
-    return len(picture.shape) > 0 and len(lengths) == 1 and 0 not in next(iter(lengths))
-
-
-class _Blocks:
-    """A picture's blocks, as an array treescope can draw the sharding of (and nothing else)."""
-
-    def __init__(self, picture: LayoutPicture) -> None:
-        self.picture = picture
-
-    def __treescope_ndarray_adapter__(self) -> ndarray_adapters.NDArrayAdapter:
-        return _BlocksAdapter()
-
-
-class _BlocksAdapter(ndarray_adapters.NDArrayAdapter[_Blocks]):
-    def get_axis_info_for_array_data(self, array: _Blocks) -> tuple[Any, ...]:
-        return tuple(
-            ndarray_adapters.PositionalAxisInfo(i, size)
-            for i, size in enumerate(array.picture.shape)
-        )
-
-    def get_sharding_info_for_array_data(self, array: _Blocks) -> ndarray_adapters.ShardingInfo:
-        devices = array.picture.devices
-        return ndarray_adapters.ShardingInfo(
-            shard_shape=tuple(stop - start for start, stop in devices[0].block),
-            device_index_to_shard_slices={
-                d.device_id: tuple(slice(start, stop) for start, stop in d.block) for d in devices
-            },
-            device_type="device",
-            fully_replicated=len({d.block for d in devices}) == 1,
-        )
-
-    # The blocks hold no values: nothing else is ever asked of them.
-    def get_array_data_with_truncation(
-        self, array: Any, mask: Any, edge_items_per_axis: Any
-    ) -> Any:
-        raise NotImplementedError
-
-    def get_array_summary(self, array: Any, fast: bool) -> Any:
-        raise NotImplementedError

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.mistakes import MISTAKE, case, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import (
     EscaleError,
     EscaleTypeError,
@@ -354,3 +356,37 @@ def test_ep_as_fsdp_must_be_a_bool(value, shown):
         PartitionAxis(ep_as_fsdp=value)
     with pytest.raises(EscaleTypeError, match=r"PartitionAxis\.ep_as_fsdp must be True or False"):
         PartitionAxis().replace(ep_as_fsdp=value)
+
+
+CASES = [
+    # --- the vocabulary and the front ends ---------------------------------------------------
+    case(
+        lambda: fe.PartitionAxis(batch_axis=3),
+        fe.EscaleError,
+        "batch_axis",
+        "3",
+        "a mesh axis name",
+        id="PartitionAxis-field-int",
+    ),
+    case(
+        lambda: fe.PartitionAxis(tensor_parallel_axis=None),
+        fe.EscaleError,
+        "tensor_parallel_axis",
+        "None",
+        "non-empty string",
+        id="PartitionAxis-axis-none",
+    ),
+    case(
+        lambda: fe.PartitionAxis(hidden_state_axis=["fsdp", 3]),
+        fe.EscaleError,
+        "hidden_state_axis",
+        "['fsdp', 3]",
+        "sequence of names",
+        id="PartitionAxis-field-list-with-int",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.mistakes import MISTAKE, T, X, case, mesh_dp_tp, params, raises_a_library_error
 
 import flax_escale as fe
+from flax_escale import eformer as escale
 
 
 def test_extract_shardings_reads_arrays_boxes_and_specs(mesh):
@@ -135,3 +137,98 @@ def test_get_names_reads_spec_entries_whole_and_refuses_bad_ones():
     assert fe.eformer.get_names_from_partition_spec([P(P.UNCONSTRAINED, "dp")]) == ["dp"]
     with pytest.raises(fe.EscaleTypeError, match=r"entry 1 of P\('dp', 3\) must be None"):
         fe.eformer.get_names_from_partition_spec({"a": P("dp", 3)})
+
+
+def test_sharding_structure_readers_take_pytree_keyword():
+    mesh = escale.create_mesh((1, 4, 1, 2, 1))
+    w = jax.device_put(np.zeros((8, 4)), NamedSharding(mesh, P("fsdp")))
+    expected = {"w": NamedSharding(mesh, P("fsdp")), "n": None}
+    assert escale.extract_sharding_structure(pytree={"w": w, "n": 3}) == expected
+    assert escale.get_shardings_with_structure(pytree={"w": w, "n": 3}) == expected
+    assert escale.get_shardings_with_structure({"w": w, "n": 3}) == expected
+    with pytest.raises(TypeError, match=r"pytree must be a pytree of arrays, got the string"):
+        escale.extract_sharding_structure(pytree="params")
+    with pytest.raises(TypeError, match=r"pytree must be a pytree of arrays, got dict"):
+        escale.get_shardings_with_structure(pytree={"n": 3})
+
+
+CASES = [
+    case(
+        lambda: fe.eformer.get_names_from_partition_spec(3),
+        T,
+        "partition_specs",
+        "int 3",
+        r"PartitionSpec\('fsdp', 'tp'\)",
+        id="eformer-get_names-int",
+    ),
+    case(
+        lambda: fe.eformer.analyze_sharding_strategy(params(), "tp", mesh_dp_tp()),
+        T,
+        "partition_specs",
+        "'tp'",
+        r"PartitionSpec\('tp'\)",
+        id="analyze-specs-string",
+    ),
+    case(
+        lambda: fe.eformer.analyze_sharding_strategy(params(), {"v": P()}, mesh_dp_tp()),
+        fe.EscaleError,
+        "partition_specs",
+        "{'v': P()}",
+        "same keys",
+        id="analyze-specs-other-keys",
+    ),
+    case(
+        lambda: fe.eformer.analyze_sharding_strategy(params(), {"w": "tp"}, mesh_dp_tp()),
+        T,
+        "partition_specs",
+        "str 'tp'",
+        r"PartitionSpec\('fsdp', 'tp'\)",
+        id="analyze-spec-leaf-string",
+    ),
+    case(
+        lambda: fe.eformer.analyze_sharding_strategy("params", P(), mesh_dp_tp()),
+        T,
+        "pytree",
+        "'params'",
+        "not its name",
+        id="analyze-pytree-string",
+    ),
+    case(
+        lambda: fe.eformer.analyze_sharding_strategy(params(), P(), "dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="analyze-mesh-string",
+    ),
+    case(
+        lambda: fe.eformer.get_partition_spec({"w": X}),
+        fe.EscaleError,
+        "tree",
+        "ndarray",
+        r"jax\.device_put",
+        id="eformer-get_partition_spec-numpy",
+    ),
+    # --- the sharding layer: transfers, trees of specs, constraints, optimizer state -------
+    case(
+        lambda: fe.eformer.extract_shardings("params"),
+        T,
+        "tree",
+        "'params'",
+        "not its name",
+        id="extract_shardings-string",
+    ),
+    case(
+        lambda: fe.eformer.extract_shardings(params(), "dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="extract_shardings-mesh-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

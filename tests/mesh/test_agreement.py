@@ -3,8 +3,10 @@
 import jax
 import pytest
 from support.distributed import run_processes
+from support.mistakes import MISTAKE, T, case, mesh_dp_tp, raises_a_library_error
 
 import flax_escale as fe
+from flax_escale import mesh as fem
 from flax_escale.mesh._agreement import assert_same_mesh
 
 # Each call reports its MeshError text instead of raising, so that every process still reaches
@@ -166,3 +168,28 @@ except MeshError as e:
         for api in ("linen", "nnx"):
             assert "process 0 built {'dp': 1, 'fsdp': 8" in result[api]
             assert "process 1 built {'dp': 2, 'fsdp': 4" in result[api]
+
+
+CASES = [
+    case(
+        lambda: fem.assert_same_mesh("dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "create_mesh",
+        id="assert_same_mesh-string",
+    ),
+    case(
+        lambda: fem.assert_same_mesh(mesh_dp_tp(), timeout="1"),
+        T,
+        "timeout",
+        "'1'",
+        "pass e.g. 60",
+        id="assert_same_mesh-timeout-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

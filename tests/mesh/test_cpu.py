@@ -1,8 +1,11 @@
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.mistakes import MISTAKE, T, case, enter, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import cpu_context, force_cpu
 
 
@@ -30,3 +33,20 @@ def test_cpu_context_sets_the_mesh_and_restores_it():
 def test_cpu_context_default_mesh():
     with cpu_context() as mesh:
         assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}
+
+
+CASES = [
+    case(
+        lambda: enter(fe.cpu_context((8,), "dp")),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="cpu_context-names-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -4,7 +4,9 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from support.mistakes import MISTAKE, T, case, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import MeshError, calculate_host_mesh_shape, create_cpu_mesh, create_mesh
 from flax_escale.errors import EscaleTypeError
 from flax_escale.mesh import resolve_axis_dims
@@ -248,3 +250,194 @@ def test_mesh_is_usable_for_sharding(devices):
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp", "tp")),
     )
     assert x.addressable_shards[0].data.shape == (2, 2)
+
+
+CASES = [
+    # --- a string where a sequence of names is expected -------------------------------------
+    case(
+        lambda: fe.create_mesh((2, 4), "dp"),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="create_mesh-names-string",
+    ),
+    case(
+        lambda: fe.create_mesh((8,), "data"),
+        T,
+        "axis_names",
+        "'data'",
+        r"pass \('data',\)",
+        id="create_mesh-one-name-string",
+    ),
+    case(
+        lambda: fe.create_cpu_mesh((8,), "dp"),
+        T,
+        "axis_names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="create_cpu_mesh-names-string",
+    ),
+    # --- wrong entries inside a sequence of names ------------------------------------------
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", 4)),
+        T,
+        "axis_names",
+        "int 4",
+        "not a string",
+        id="create_mesh-name-int",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), None),
+        T,
+        "axis_names",
+        "None",
+        r"\('dp', 'tp'\)",
+        id="create_mesh-names-none",
+    ),
+    # --- a wrong type where sizes are expected ---------------------------------------------
+    case(lambda: fe.create_mesh(8), T, "axis_dims", "8", r"pass \(8,\)", id="create_mesh-int"),
+    case(lambda: fe.create_mesh(None), T, "axis_dims", "None", r"\(2, 4\)", id="create_mesh-none"),
+    case(
+        lambda: fe.create_mesh("2,4", ("dp", "tp")),
+        T,
+        "axis_dims",
+        "'2,4'",
+        "parse_mesh_from_string",
+        id="create_mesh-dims-string",
+    ),
+    case(
+        lambda: fe.create_mesh((2, None), ("dp", "tp")),
+        T,
+        "axis_dims",
+        "None",
+        "not an int",
+        id="create_mesh-dim-none",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=1),
+        T,
+        "dcn_mesh_dims",
+        "1",
+        r"pass \(1,\)",
+        id="create_mesh-dcn-int",
+    ),
+    case(
+        lambda: fe.create_mesh({"dp": 2, "tp": 4}),
+        T,
+        "axis_dims",
+        "{'dp': 2, 'tp': 4}",
+        r"\(2, 4\)",
+        id="create_mesh-dict",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices="cpu"),
+        T,
+        "devices",
+        "'cpu'",
+        r"jax\.devices\('cpu'\)",
+        id="create_mesh-devices-string",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices=8),
+        T,
+        "devices",
+        "int 8",
+        r"jax\.devices\(\)\[:8\]",
+        id="create_mesh-devices-count",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), devices=["cpu:0", "cpu:1"]),
+        T,
+        "devices",
+        "'cpu:0'",
+        r"jax\.devices\(\)",
+        id="create_mesh-devices-names",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), backend="tpuu"),
+        fe.EscaleError,
+        "backend",
+        "'tpuu'",
+        "platforms JAX lists",
+        id="create_mesh-backend-unknown",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), backend=1),
+        T,
+        "backend",
+        "int 1",
+        "'cpu'",
+        id="create_mesh-backend-int",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "")),
+        fe.EscaleError,
+        "axis_names",
+        "''",
+        "a name such as 'dp'",
+        id="create_mesh-name-empty",
+    ),
+    case(
+        lambda: fe.create_cpu_mesh(8),
+        T,
+        "axis_dims",
+        "8",
+        r"pass \(8,\)",
+        id="create_cpu_mesh-int",
+    ),
+    # --- dcn_mesh_dims: ints, never truncated ----------------------------------------------
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(1.5, 1)),
+        T,
+        "dcn_mesh_dims",
+        "float 1.5",
+        r"pass one int per axis",
+        id="create_mesh-dcn-float",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(np.float64(1.7), 1)),
+        T,
+        "dcn_mesh_dims",
+        "1.7",
+        r"pass one int per axis",
+        id="create_mesh-dcn-numpy-float",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(1.0, 1)),
+        T,
+        "dcn_mesh_dims",
+        "float 1.0",
+        r"pass the int 1",
+        id="create_mesh-dcn-whole-float",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(float("nan"), 1)),
+        T,
+        "dcn_mesh_dims",
+        "nan",
+        r"pass one int per axis",
+        id="create_mesh-dcn-nan",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(float("inf"), 1)),
+        T,
+        "dcn_mesh_dims",
+        "inf",
+        r"pass one int per axis",
+        id="create_mesh-dcn-inf",
+    ),
+    case(
+        lambda: fe.create_mesh((2, 4), ("dp", "tp"), dcn_mesh_dims=(0, 1)),
+        fe.MeshError,
+        "dcn_mesh_dims",
+        "got 0",
+        "positive int",
+        id="create_mesh-dcn-zero",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,6 +1,9 @@
 import pytest
+from support.mistakes import MISTAKE, T, case, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import EscaleTypeError, MeshError, create_mesh, parse_mesh_from_string
+from flax_escale import mesh as fem
 from flax_escale.mesh import parse_mesh_shape
 
 NAMES = ("dp", "fsdp", "ep", "tp", "sp")
@@ -137,3 +140,60 @@ def test_names_are_checked_to_be_distinct_in_every_mode(text, partial):
 def test_device_count_mismatch_comes_from_create_mesh():
     with pytest.raises(MeshError, match=r"multiply to 4, but the mesh has 8 devices"):
         parse_mesh_from_string("dp:2,tp:2", ("dp", "tp"))
+
+
+CASES = [
+    case(
+        lambda: fe.parse_mesh_from_string("dp:8", "dp"),
+        T,
+        "names",
+        "'dp'",
+        r"\('dp',\)",
+        id="parse_mesh-names-string",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(None, ["dp"]),
+        T,
+        "axis_dims",
+        "None",
+        "'dp:2,tp:4'",
+        id="parse_mesh-none",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(8, ["dp"]),
+        T,
+        "axis_dims",
+        "int 8",
+        "'dp:2,tp:4'",
+        id="parse_mesh-int",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string("dp:8", None),
+        T,
+        "names",
+        "None",
+        r"\('dp', 'tp'\)",
+        id="parse_mesh-names-none",
+    ),
+    case(
+        lambda: fe.parse_mesh_from_string(b"dp:8", ["dp"]),
+        T,
+        "axis_dims",
+        "bytes b'dp:8'",
+        "'dp:2,tp:4'",
+        id="parse_mesh-bytes",
+    ),
+    case(
+        lambda: fem.parse_mesh_shape("dp:8", "dp"),
+        T,
+        "names",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="parse_mesh_shape-names-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -24,7 +24,7 @@ from support.reshardings import step_reshardings
 import flax_escale as fe
 from flax_escale import linen as fel
 from flax_escale import nnx as fen
-from flax_escale.sizing._hlo._reader import program_costs
+from flax_escale.sizing._hlo import program_costs
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]
 

@@ -26,7 +26,7 @@ from flax_escale.moe import (
     expert_capacity,
     moe_mlp,
 )
-from flax_escale.sizing._hlo._reader import program_costs
+from flax_escale.sizing._hlo import program_costs
 
 BATCH, SEQUENCE, HIDDEN, MLP, EXPERTS, TOP_K = 8, 16, 32, 64, 8, 2
 

@@ -16,8 +16,7 @@ from jax.sharding import NamedSharding
 
 import flax_escale as fe
 from flax_escale.moe import EXPERT_AXES, GatedExperts, moe_mlp
-from flax_escale.sizing._hlo._reader import collective_bytes, program_costs
-from flax_escale.sizing._hlo._text import array_bytes
+from flax_escale.sizing._hlo import array_bytes, collective_bytes, program_costs
 
 EP, BATCH, SEQUENCE, MLP, EXPERTS, TOP_K = 8, 8, 16, 256, 8, 2
 # The TPU compiler lays each exchanged row out in tiles of 128 lanes of 32 bits: a float32 row

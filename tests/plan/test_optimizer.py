@@ -3,10 +3,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.mistakes import MISTAKE, TX, T, case, params, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import EscaleError, create_mesh, init_opt_state, opt_state_shardings
+from flax_escale.plan._optimizer import follow_shardings
 
 
 @pytest.fixture
@@ -309,3 +313,247 @@ def test_params_on_two_meshes(mesh, devices):
 def test_empty_params_are_refused_clearly():
     with pytest.raises(EscaleError, match="no parameters"):
         opt_state_shardings(optax.adam(1e-3), {})
+
+
+# opt_state_shardings with the rule.
+
+
+def test_adafactor_square_kernel_shardings(mesh):
+    w = _put(jnp.zeros((16, 16)), mesh, P("fsdp", "tp"))
+    tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    factored = opt_state_shardings(tx, {"w": w})[0]
+    assert factored.v_row["w"].spec == P("fsdp")
+    assert factored.v_col["w"].spec == P("tp")
+    assert factored.v["w"].spec == P()
+    state = init_opt_state(tx, {"w": w})[0]
+    assert state.v_row["w"].addressable_shards[0].data.shape == (4,)
+    assert state.v_col["w"].addressable_shards[0].data.shape == (8,)
+
+
+@pytest.mark.parametrize(
+    ("shape", "spec", "row", "col"),
+    [
+        ((8, 16, 16), P(None, "fsdp", "tp"), P(None, "fsdp"), P(None, "tp")),
+        ((16, 8, 16), P("fsdp", None, "tp"), P("fsdp", None), P(None, "tp")),
+        ((16, 16, 8), P("fsdp", "tp", None), P("fsdp", None), P("tp", None)),
+        ((16, 32), P("tp", "fsdp"), P("tp"), P("fsdp")),
+        ((32, 16), P("fsdp", "tp"), P("tp"), P("fsdp")),
+    ],
+    ids=str,
+)
+def test_adafactor_factored_shardings(mesh, shape, spec, row, col):
+    w = _put(jnp.zeros(shape), mesh, spec)
+    tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    factored = opt_state_shardings(tx, {"w": w})[0]
+    assert (factored.v_row["w"].spec, factored.v_col["w"].spec) == (row, col)
+    state = init_opt_state(tx, {"w": w})
+    np.testing.assert_array_equal(
+        np.asarray(state[0].v_col["w"]),
+        np.asarray(tx.init({"w": np.zeros(shape, np.float32)})[0].v_col["w"]),
+    )
+
+
+def test_adafactor_unfactored_follows_whole(mesh):
+    w = _put(jnp.zeros((16, 16)), mesh, P("fsdp", "tp"))
+    factored = opt_state_shardings(optax.adafactor(1e-3), {"w": w})[0]
+    assert factored.v["w"] == w.sharding
+    assert factored.v_row["w"].spec == factored.v_col["w"].spec == P()
+
+
+def test_zero1_square_adafactor(zero_mesh):
+    w = _put(jnp.zeros((16, 16)), zero_mesh, P(None, "fsdp"))
+    tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    factored = opt_state_shardings(tx, {"w": w}, shard_over=("dp",))[0]
+    assert factored.v_row["w"].spec == P("dp")
+    assert factored.v_col["w"].spec == P(("fsdp", "dp"))
+    assert factored.count.spec == P()
+
+
+def test_masked_and_multi_transform(mesh):
+    params = {
+        "kernel": _put(jnp.zeros((8, 16)), mesh, P("fsdp", "tp")),
+        "bias": _put(jnp.zeros((16,)), mesh, P("tp")),
+    }
+    labels = {"kernel": "adam", "bias": "sgd"}
+    tx = optax.chain(
+        optax.masked(optax.adam(1e-3), {"kernel": True, "bias": False}),
+        optax.multi_transform(
+            {"adam": optax.adam(1e-3), "sgd": optax.sgd(0.1, momentum=0.9)}, labels
+        ),
+    )
+    masked, multi = opt_state_shardings(tx, params)
+    host = tx.init(jax.tree.map(np.asarray, params))
+    assert jax.tree.structure((masked, multi)) == jax.tree.structure(host)
+    assert masked.inner_state[0].mu["kernel"] == params["kernel"].sharding
+    adam = multi.inner_states["adam"].inner_state[0]
+    sgd = multi.inner_states["sgd"].inner_state[0]
+    assert adam.mu["kernel"].spec == P("fsdp", "tp")
+    assert adam.count.spec == P()
+    assert sgd.trace["bias"].spec == P("tp")
+    state = init_opt_state(tx, params)
+    assert jax.tree.structure(state) == jax.tree.structure(host)
+
+
+def test_params_that_are_one_array(mesh):
+    w = _put(jnp.zeros((8, 16)), mesh, P("fsdp", "tp"))
+    adam = opt_state_shardings(optax.adam(1e-3), w)[0]
+    assert adam.mu == adam.nu == w.sharding
+    assert adam.count.spec == P()
+
+
+# follow_shardings, as the NNX front end calls it.
+
+
+def test_follow_shardings_on_an_nnx_optimizer(mesh):
+    model = nnx.Linear(16, 16, use_bias=True, rngs=nnx.Rngs(0))
+    tx = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+    abstract = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
+    params = [
+        ("kernel", (16, 16), NamedSharding(mesh, P("fsdp", "tp"))),
+        ("bias", (16,), NamedSharding(mesh, P("tp"))),
+    ]
+    shardings = follow_shardings(nnx.state(abstract), params, mesh)
+    factored = shardings["opt_state"][0]
+    assert factored.v_row["kernel"].spec == P("fsdp")
+    assert factored.v_col["kernel"].spec == P("tp")
+    assert factored.v["bias"].spec == P("tp")
+    assert factored.v["kernel"].spec == factored.v_row["bias"].spec == P()
+    assert shardings["step"].spec == P()
+
+
+def test_follow_shardings_errors(mesh, zero_mesh):
+    state = {"mu": {"w": jnp.zeros((8,))}}
+    params = [("w", (8,), NamedSharding(mesh, P("fsdp")))]
+    with pytest.raises(EscaleError, match=r"shard_over=\('nope',\): mesh axis 'nope' is not in"):
+        follow_shardings(state, params, mesh, shard_over=("nope",))
+    with pytest.raises(
+        EscaleError, match=r"params: 'w' is sharded on the mesh \{.*\}, not on the optimizer's"
+    ):
+        follow_shardings(state, params, zero_mesh)
+
+
+# Every front end and the partitioner use the one rule: a square kernel's column statistic
+# keeps the second name (dimension 1), as optax's v_col does.
+SQUARE_NAMES = ("vocab", "hidden_state")  # P('tp', ('fsdp', 'sp')) on fsdp=4 x tp=2
+
+
+SQUARE_TX = optax.adafactor(1e-3, min_dim_size_to_factor=4)
+
+
+def _square_specs(tree):
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, P)
+    )[0]:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        role = next((k for k in keys if k in ("v_row", "v_col")), None)
+        if role and "kernel" in keys:
+            found[role] = leaf if isinstance(leaf, P) else leaf.sharding.spec
+    return found
+
+
+SQUARE_EXPECTED = {"v_row": P("tp"), "v_col": P(("fsdp", "sp"))}
+
+
+def test_square_kernel_statistics_in_every_front_end(devices):
+    import flax.linen as nn
+
+    import flax_escale as fe
+    from flax_escale import linen as fel
+    from flax_escale import nnx as fen
+    from flax_escale.t5x import Partitioner
+
+    mesh = create_mesh((1, 4, 1, 2, 1))
+    dense = nn.Dense(
+        16,
+        use_bias=False,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), SQUARE_NAMES),
+    )
+    x = jnp.ones((2, 16))
+    state = fel.init_train_state(dense, mesh, jax.random.key(0), x, tx=SQUARE_TX)
+    assert _square_specs(state.opt_state) == SQUARE_EXPECTED
+
+    @fe.sharded_module({"kernel": SQUARE_NAMES})
+    class Square(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+
+    optimizer = fen.init_optimizer(fe.init_sharded(Square, mesh, 0), SQUARE_TX)
+    assert _square_specs(nnx.state(optimizer)) == SQUARE_EXPECTED
+
+    from flax.training.train_state import TrainState
+
+    def create(key):
+        params = dense.init(key, x)["params"]
+        return TrainState.create(apply_fn=dense.apply, params=params, tx=SQUARE_TX)
+
+    abstract = jax.eval_shape(create, jax.random.key(0))
+    axes = Partitioner(mesh=mesh).get_mesh_axes(abstract)
+    assert _square_specs(axes) == {k: P(*v) for k, v in SQUARE_EXPECTED.items()}
+
+
+# Mistakes with opt_state_shardings and init_opt_state, one case each (support/mistakes.py
+# says what a case asserts).
+MISTAKES = [
+    case(
+        lambda: fe.opt_state_shardings(TX, params(), shard_over="dp"),
+        T,
+        "shard_over",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="opt_state_shardings-shard_over-string",
+    ),
+    case(
+        lambda: fe.init_opt_state(TX, params(), shard_over="dp"),
+        T,
+        "shard_over",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="init_opt_state-shard_over-string",
+    ),
+    case(
+        lambda: fe.init_opt_state(TX, params(), shard_over=("dp",) * 1000),
+        fe.EscaleError,
+        "shard_over",
+        "'dp' is named 1000 times",
+        r"name each axis once",
+        id="init_opt_state-shard_over-repeated",
+    ),
+    case(
+        lambda: fe.opt_state_shardings(TX, params(), shard_over=("dp", 1)),
+        T,
+        "shard_over",
+        "int 1",
+        "not a string",
+        id="shard_over-entry-int",
+    ),
+    case(
+        lambda: fe.opt_state_shardings(None, params()),
+        T,
+        "tx",
+        "None",
+        r"optax\.adam\(1e-3\)",
+        id="opt_state_shardings-tx-none",
+    ),
+    case(
+        lambda: fe.opt_state_shardings("adam", params()),
+        T,
+        "tx",
+        "'adam'",
+        r"optax\.adam\(1e-3\), not its name",
+        id="opt_state_shardings-tx-name",
+    ),
+    case(
+        lambda: fe.init_opt_state(optax.adam, params()),
+        T,
+        "tx",
+        "function",
+        r"call the factory first, e\.g\. optax\.adam\(1e-3\)",
+        id="init_opt_state-tx-factory",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, MISTAKES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

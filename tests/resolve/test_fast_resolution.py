@@ -1,18 +1,14 @@
-"""The fast ways of resolving give exactly what the plain algorithm gives.
+"""The fast ways of resolving a tree give exactly what the plain way gives.
 
-- ``Resolver.resolve`` (rules read once per rules and mesh, merged once per logical axes, a
-  resolution kept per rank and per which dimensions divide) gives the :class:`Resolution` of
-  the plain algorithm: every rule scanned in order, as Flax does, then ``fit_spec``, for any
-  rules, names, shape and mesh, whatever shapes the same resolver resolved before;
 - ``logical_to_mesh_sharding`` of any tree of annotated variables (each distinct annotation
   read once, each distinct one resolved once) gives what ``build_plan`` gives, warnings and
   errors included;
 - the paths of a tree's leaves (walked here, not read from JAX's key paths) are JAX's.
 
-Nothing here times anything: the speed is measured by ``bench/resolution_speed.py``.
+``Resolver.resolve`` against the plain algorithm: ``test_resolver.py``. Nothing here times
+anything: the speed is measured by ``bench/b03_resolution_speed.py``.
 """
 
-import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -28,118 +24,8 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_escale as fe
-from flax_escale._specs import mesh_axes_of
-from flax_escale.plan import _paths
-from flax_escale.plan._leaves import annotated_leaves
-from flax_escale.plan._plan import build_plan
-from flax_escale.resolve import PassedOver, Resolution, fit_spec
-from flax_escale.resolve._resolver import _FREE, _unplaced, resolver
-
-
-def reference(names, rules, shape, mesh_shape) -> Resolution | str:
-    """The plain algorithm: every rule scanned in order for every array."""
-    if names is None:
-        spec = P(*([None] * (0 if shape is None else len(shape))))
-        return Resolution(None, spec, shape, mesh_shape, spec)
-    repeated = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
-    if repeated:
-        return (
-            f"logical axes {names}: {repeated[0]!r} names more than one dimension; each logical "
-            "name can shard at most one dimension of an array. Give the dimensions distinct names."
-        )
-    if shape is not None and len(shape) < len(names):
-        return (
-            f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
-            f"{len(shape)}: give one logical name (or None) per dimension."
-        )
-    padded = 0 if shape is None else len(shape) - len(names)
-    names = (*names, *(None,) * padded)
-    mesh = None if mesh_shape is None else dict(mesh_shape)
-    result = [_FREE if isinstance(n, str) else n for n in names]
-    used: set[str] = set()
-    passed = []
-    for index, (name, target) in enumerate(rules):
-        if name not in names:
-            continue
-        dim = names.index(name)
-        axes = mesh_axes_of(target)
-        if result[dim] is not _FREE or used.intersection(axes):
-            continue
-        in_mesh = mesh is not None and all(a in mesh for a in axes)
-        size = math.prod(mesh[a] for a in axes) if in_mesh else None
-        if size is not None and shape is not None and shape[dim] % size:
-            passed.append(PassedOver(dim, name, axes, shape[dim]))
-            continue
-        if axes and size == 1 and any(n == name for n, _ in rules[index + 1 :]):
-            continue
-        result[dim] = target
-        used.update(axes)
-    rules_spec = P(*(None if r is _FREE else r for r in result))
-    known = {name for name, _ in rules}
-    unknown = tuple(n for n in names if isinstance(n, str) and n not in known) if rules else ()
-    spec, corrections = rules_spec, ()
-    if mesh is not None:
-        spec, corrections = fit_spec(rules_spec, shape, mesh)
-        corrections = _unplaced(result, passed, mesh) + corrections
-    return Resolution(
-        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown, padded
-    )
-
-
-MESH_AXES = ("x", "y", "z")
-TARGETS = [
-    None,
-    P.UNCONSTRAINED,
-    "x",
-    "y",
-    "z",
-    "q",
-    ("x", "y"),
-    ("y", "z"),
-    ("x", "x"),
-    ("z", "q"),
-]
-LOGICAL = ["a", "b", "c", "d", "unknown", None, ("x", "y"), ("z",)]
-SIZES = [0, 1, 2, 3, 4, 6, 8, 12]
-
-rules_st = st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(TARGETS)), max_size=8)
-mesh_st = st.none() | st.permutations(MESH_AXES).flatmap(
-    lambda axes: st.lists(st.sampled_from([1, 2, 3, 4]), min_size=3, max_size=3).map(
-        lambda sizes: tuple(zip(axes, sizes, strict=True))
-    )
-)
-names_st = st.none() | st.lists(st.sampled_from(LOGICAL), max_size=4).map(tuple)
-
-
-def shapes_st(names):
-    rank = 0 if names is None else len(names)
-    lengths = st.integers(max(rank - 1, 0), rank + 2)
-    one = lengths.flatmap(lambda n: st.lists(st.sampled_from(SIZES), min_size=n, max_size=n))
-    return st.none() | one.map(tuple)
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rules=rules_st, mesh_shape=mesh_st, data=st.data())
-def test_resolver_is_the_plain_algorithm(rules, mesh_shape, data):
-    rules = fe.resolve.as_logical_rules(rules)
-    for _ in range(4):
-        names = data.draw(names_st)
-        shape = data.draw(shapes_st(names))
-        got = resolver(rules, mesh_shape).resolve(names, shape)
-        assert got == reference(names, rules, shape, mesh_shape)
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rules=rules_st, mesh_shape=mesh_st, names=names_st, data=st.data())
-def test_a_resolver_resolves_every_shape_like_the_plain_algorithm(rules, mesh_shape, names, data):
-    # One resolver for many shapes of the same names: a resolution kept for a shape that
-    # divides alike must hold for every shape that comes after.
-    rules = fe.resolve.as_logical_rules(rules)
-    shapes = data.draw(st.lists(shapes_st(names).filter(lambda s: s is not None), max_size=12))
-    for shape in shapes:
-        got = resolver(rules, mesh_shape).resolve(names, shape)
-        assert got == reference(names, rules, shape, mesh_shape)
-
+from flax_escale import _paths
+from flax_escale.plan import annotated_leaves, build_plan
 
 NAMES = [
     ("hidden_state", "mlp_intermediate"),
@@ -151,7 +37,11 @@ NAMES = [
     ("layers", "hidden_state"),
     ("batch", None),
 ]
+
+
 BAD_NAMES = [("hidden_state", "no_such_name"), ("hidden_state", "hidden_state")]
+
+
 MESH_NAMES = [("fsdp", "tp"), (("fsdp", "sp"), None), ("tp",), ("fsdp", None), ("nope", None)]
 MESH_NAMES += [("tp", "tp")]
 
@@ -217,76 +107,8 @@ def same_shardings(a, b) -> bool:
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=tree_st(good=True) | tree_st(good=False), strict=st.booleans())
-def test_plain_trees_give_what_build_plan_gives(mesh, tree, strict):
-    rules = fe.PartitionAxis().logical_axis_rules()
-    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh, rules, strict=strict)
-    theirs, their_warnings = run(general, tree, mesh, rules, strict=strict)
-    assert same_shardings(ours, theirs)
-    assert our_warnings == their_warnings
-
-
-def test_eval_shape_of_a_linen_model_gives_what_build_plan_gives(mesh):
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            init = nn.initializers.lecun_normal()
-            up = nn.with_logical_partitioning(init, ("hidden_state", "mlp_intermediate"))
-            down = nn.with_logical_partitioning(init, ("mlp_intermediate", "hidden_state"))
-            scale = nn.with_logical_partitioning(nn.initializers.ones, ("hidden_state",))
-            h = nn.Dense(64, kernel_init=up, name="up")(x)
-            y = nn.Dense(16, kernel_init=down, use_bias=False, name="down")(h)
-            return y * self.param("scale", scale, (16,))
-
-    abstract = jax.eval_shape(Block().init, jax.random.key(0), jnp.ones((2, 16)))
-    shardings = fe.logical_to_mesh_sharding(abstract, mesh)
-    assert same_shardings(shardings, general(abstract, mesh, None))
-    assert shardings["params"]["up"]["kernel"].spec == P(("fsdp", "sp"), "tp")
-    assert shardings["params"]["up"]["bias"].spec == P(None)  # unannotated: replicated
-
-
 def box(shape, names, **kwargs):
     return nn.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "tree",
-    [
-        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate"))}, "opt_state": {}},
-        {"params": {"w": box((8, 4), ("embed", "mlp"), rules=(("embed", "tp"), ("mlp", None)))}},
-        {"params": FrozenDict({"w": box((8, 4), ("hidden_state", "mlp_intermediate"))})},
-        {"params": {0: box((8, 4), ("hidden_state", "mlp_intermediate"))}},
-        {
-            "params": {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)},
-            "params_axes": {"w_axes": partitioning.AxisMetadata(("hidden_state", "tp"))},
-        },
-        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate")), "step": 3}},
-    ],
-    ids=["opt_state", "own_rules", "frozen_dict", "int_key", "params_axes", "python_int"],
-)
-def test_other_trees_give_what_build_plan_gives(mesh, tree):
-    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh)
-    theirs, their_warnings = run(general, tree, mesh, None)
-    assert same_shardings(ours, theirs)
-    assert our_warnings == their_warnings
-
-
-def test_spec_trees_resolve_each_spec_once_and_still_warn(mesh):
-    specs = {
-        f"layer_{i}": {"w": P("hidden_state", "mlp_intermediate"), "b": P("no_rule")}
-        for i in range(3)
-    }
-    with pytest.warns(fe.ShardingCorrectionWarning, match="no_rule"):
-        shardings = fe.logical_to_mesh_sharding(specs, mesh)
-    for i in range(3):
-        assert shardings[f"layer_{i}"]["w"].spec == P(("fsdp", "sp"), "tp")
-        assert shardings[f"layer_{i}"]["b"].spec == P(None)
-    with pytest.raises(fe.ShardingResolutionError, match="no_rule"):
-        fe.logical_to_mesh_sharding(specs, mesh, strict=True)
-
-
-# The paths of leaves.
 
 
 class Pair(NamedTuple):
@@ -331,6 +153,71 @@ TREES = {
 def _jax_paths(tree):
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_paths.is_box)[0]
     return [_paths.path_of(key_path) for key_path, _ in flat], [leaf for _, leaf in flat]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=tree_st(good=True) | tree_st(good=False), strict=st.booleans())
+def test_plain_trees_give_what_build_plan_gives(mesh, tree, strict):
+    rules = fe.PartitionAxis().logical_axis_rules()
+    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh, rules, strict=strict)
+    theirs, their_warnings = run(general, tree, mesh, rules, strict=strict)
+    assert same_shardings(ours, theirs)
+    assert our_warnings == their_warnings
+
+
+def test_eval_shape_of_a_linen_model_gives_what_build_plan_gives(mesh):
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal()
+            up = nn.with_logical_partitioning(init, ("hidden_state", "mlp_intermediate"))
+            down = nn.with_logical_partitioning(init, ("mlp_intermediate", "hidden_state"))
+            scale = nn.with_logical_partitioning(nn.initializers.ones, ("hidden_state",))
+            h = nn.Dense(64, kernel_init=up, name="up")(x)
+            y = nn.Dense(16, kernel_init=down, use_bias=False, name="down")(h)
+            return y * self.param("scale", scale, (16,))
+
+    abstract = jax.eval_shape(Block().init, jax.random.key(0), jnp.ones((2, 16)))
+    shardings = fe.logical_to_mesh_sharding(abstract, mesh)
+    assert same_shardings(shardings, general(abstract, mesh, None))
+    assert shardings["params"]["up"]["kernel"].spec == P(("fsdp", "sp"), "tp")
+    assert shardings["params"]["up"]["bias"].spec == P(None)  # unannotated: replicated
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate"))}, "opt_state": {}},
+        {"params": {"w": box((8, 4), ("embed", "mlp"), rules=(("embed", "tp"), ("mlp", None)))}},
+        {"params": FrozenDict({"w": box((8, 4), ("hidden_state", "mlp_intermediate"))})},
+        {"params": {0: box((8, 4), ("hidden_state", "mlp_intermediate"))}},
+        {
+            "params": {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)},
+            "params_axes": {"w_axes": partitioning.AxisMetadata(("hidden_state", "tp"))},
+        },
+        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate")), "step": 3}},
+    ],
+    ids=["opt_state", "own_rules", "frozen_dict", "int_key", "params_axes", "python_int"],
+)
+def test_other_trees_give_what_build_plan_gives(mesh, tree):
+    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh)
+    theirs, their_warnings = run(general, tree, mesh, None)
+    assert same_shardings(ours, theirs)
+    assert our_warnings == their_warnings
+
+
+def test_spec_trees_resolve_each_spec_once_and_still_warn(mesh):
+    specs = {
+        f"layer_{i}": {"w": P("hidden_state", "mlp_intermediate"), "b": P("no_rule")}
+        for i in range(3)
+    }
+    with pytest.warns(fe.ShardingCorrectionWarning, match="no_rule"):
+        shardings = fe.logical_to_mesh_sharding(specs, mesh)
+    for i in range(3):
+        assert shardings[f"layer_{i}"]["w"].spec == P(("fsdp", "sp"), "tp")
+        assert shardings[f"layer_{i}"]["b"].spec == P(None)
+    with pytest.raises(fe.ShardingResolutionError, match="no_rule"):
+        fe.logical_to_mesh_sharding(specs, mesh, strict=True)
 
 
 @pytest.mark.parametrize("tree", TREES.values(), ids=TREES.keys())

@@ -1,12 +1,23 @@
+"""``Resolver`` (``flax_escale/resolve/_resolver.py``): logical axes and rules to a spec.
+
+It resolves as Flax does, shape-aware. ``Resolver.resolve`` (rules read once per rules and
+mesh, merged once per logical axes, a resolution kept per rank and per which dimensions divide)
+gives the :class:`Resolution` of the plain algorithm: every rule scanned in order, as Flax does,
+then ``fit_spec``, for any rules, names, shape and mesh, whatever shapes the same resolver
+resolved before.
+"""
+
+import math
+
 import flax.linen as nn
 import jax
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
+import flax_escale as fe
 from flax_escale import (
-    EscaleError,
     PartitionAxis,
     ShardingCorrectionWarning,
     ShardingResolutionError,
@@ -14,7 +25,9 @@ from flax_escale import (
     logical_to_mesh_axes,
     resolve_logical_axes,
 )
-from flax_escale.resolve import as_logical_rules
+from flax_escale._specs import mesh_axes_of
+from flax_escale.resolve import PassedOver, Resolution, fit_spec
+from flax_escale.resolve._resolver import _FREE, _unplaced, resolver
 from flax_escale.t5x import standard_logical_axis_rules
 
 FALLBACK_RULES = [
@@ -28,6 +41,7 @@ FALLBACK_RULES = [
     ("length", None),
     ("vocab", ("data", "model")),
 ]
+
 
 # (rules, logical axes): repeated names as fallbacks, tuple targets, None targets and names.
 TABLE = [
@@ -56,6 +70,19 @@ TABLE = [
 ]
 
 
+MESH_AXES = ["x", "y", "z"]
+
+
+LOGICAL = ["a", "b", "c", "d", "e"]
+
+
+targets = st.one_of(
+    st.none(),
+    st.sampled_from(MESH_AXES),
+    st.lists(st.sampled_from(MESH_AXES), min_size=1, max_size=2, unique=True).map(tuple),
+)
+
+
 # Names without a rule warn (the library is never silent); the values must still be Flax's.
 @pytest.mark.filterwarnings("ignore::flax_escale.ShardingCorrectionWarning")
 @pytest.mark.parametrize(("rules", "axes"), TABLE)
@@ -63,15 +90,6 @@ def test_agrees_with_flax_linen(rules, axes):
     assert logical_to_mesh_axes(axes, rules) == nn.logical_to_mesh_axes(axes, rules)
     with nn.logical_axis_rules(rules):
         assert logical_to_mesh_axes(axes) == nn.logical_to_mesh_axes(axes)
-
-
-MESH_AXES = ["x", "y", "z"]
-LOGICAL = ["a", "b", "c", "d", "e"]
-targets = st.one_of(
-    st.none(),
-    st.sampled_from(MESH_AXES),
-    st.lists(st.sampled_from(MESH_AXES), min_size=1, max_size=2, unique=True).map(tuple),
-)
 
 
 @pytest.mark.filterwarnings("ignore::flax_escale.ShardingCorrectionWarning")
@@ -272,21 +290,117 @@ def test_results_are_cached():
     assert first.ok
 
 
-@pytest.mark.parametrize(
-    ("rules", "match"),
-    [
-        ([("a",)], r"each rule must be a \(logical name, mesh axes\) pair, got \('a',\)"),
-        (["ab"], r"each rule must be a \(logical name, mesh axes\) pair, got 'ab'"),
-        ([(1, "x")], r"the logical name of rule \(1, 'x'\) must be a string"),
-        ([("a", {"x"})], r"the mesh axes of rule \('a', \{'x'\}\) must be a name"),
-    ],
+def reference(names, rules, shape, mesh_shape) -> Resolution | str:
+    """The plain algorithm: every rule scanned in order for every array."""
+    if names is None:
+        spec = P(*([None] * (0 if shape is None else len(shape))))
+        return Resolution(None, spec, shape, mesh_shape, spec)
+    repeated = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+    if repeated:
+        return (
+            f"logical axes {names}: {repeated[0]!r} names more than one dimension; each logical "
+            "name can shard at most one dimension of an array. Give the dimensions distinct names."
+        )
+    if shape is not None and len(shape) < len(names):
+        return (
+            f"logical axes {names} name {len(names)} dimensions but the shape {shape} has "
+            f"{len(shape)}: give one logical name (or None) per dimension."
+        )
+    padded = 0 if shape is None else len(shape) - len(names)
+    names = (*names, *(None,) * padded)
+    mesh = None if mesh_shape is None else dict(mesh_shape)
+    result = [_FREE if isinstance(n, str) else n for n in names]
+    used: set[str] = set()
+    passed = []
+    for index, (name, target) in enumerate(rules):
+        if name not in names:
+            continue
+        dim = names.index(name)
+        axes = mesh_axes_of(target)
+        if result[dim] is not _FREE or used.intersection(axes):
+            continue
+        in_mesh = mesh is not None and all(a in mesh for a in axes)
+        size = math.prod(mesh[a] for a in axes) if in_mesh else None
+        if size is not None and shape is not None and shape[dim] % size:
+            passed.append(PassedOver(dim, name, axes, shape[dim]))
+            continue
+        if axes and size == 1 and any(n == name for n, _ in rules[index + 1 :]):
+            continue
+        result[dim] = target
+        used.update(axes)
+    rules_spec = P(*(None if r is _FREE else r for r in result))
+    known = {name for name, _ in rules}
+    unknown = tuple(n for n in names if isinstance(n, str) and n not in known) if rules else ()
+    spec, corrections = rules_spec, ()
+    if mesh is not None:
+        spec, corrections = fit_spec(rules_spec, shape, mesh)
+        corrections = _unplaced(result, passed, mesh) + corrections
+    return Resolution(
+        names, spec, shape, mesh_shape, rules_spec, corrections, tuple(passed), unknown, padded
+    )
+
+
+RANDOM_MESH_AXES = ("x", "y", "z")
+
+
+TARGETS = [
+    None,
+    P.UNCONSTRAINED,
+    "x",
+    "y",
+    "z",
+    "q",
+    ("x", "y"),
+    ("y", "z"),
+    ("x", "x"),
+    ("z", "q"),
+]
+
+
+RANDOM_NAMES = ["a", "b", "c", "d", "unknown", None, ("x", "y"), ("z",)]
+
+
+SIZES = [0, 1, 2, 3, 4, 6, 8, 12]
+
+
+rules_st = st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(TARGETS)), max_size=8)
+
+
+mesh_st = st.none() | st.permutations(RANDOM_MESH_AXES).flatmap(
+    lambda axes: st.lists(st.sampled_from([1, 2, 3, 4]), min_size=3, max_size=3).map(
+        lambda sizes: tuple(zip(axes, sizes, strict=True))
+    )
 )
-def test_bad_rules(rules, match):
-    with pytest.raises(EscaleError, match=match):
-        as_logical_rules(rules)
 
 
-def test_as_logical_rules_freezes_lists():
-    assert as_logical_rules([["a", ["x", "y"]]]) == (("a", ("x", "y")),)
-    frozen = (("a", "x"),)
-    assert as_logical_rules(frozen) is frozen
+names_st = st.none() | st.lists(st.sampled_from(RANDOM_NAMES), max_size=4).map(tuple)
+
+
+def shapes_st(names):
+    rank = 0 if names is None else len(names)
+    lengths = st.integers(max(rank - 1, 0), rank + 2)
+    one = lengths.flatmap(lambda n: st.lists(st.sampled_from(SIZES), min_size=n, max_size=n))
+    return st.none() | one.map(tuple)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rules=rules_st, mesh_shape=mesh_st, data=st.data())
+def test_resolver_is_the_plain_algorithm(rules, mesh_shape, data):
+    rules = fe.resolve.as_logical_rules(rules)
+    for _ in range(4):
+        names = data.draw(names_st)
+        shape = data.draw(shapes_st(names))
+        got = resolver(rules, mesh_shape).resolve(names, shape)
+        assert got == reference(names, rules, shape, mesh_shape)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rules=rules_st, mesh_shape=mesh_st, names=names_st, data=st.data())
+def test_a_resolver_resolves_every_shape_like_the_plain_algorithm(rules, mesh_shape, names, data):
+    # One resolver for many shapes of the same names: a resolution kept for a shape that
+    # divides alike must hold for every shape that comes after.
+    rules = fe.resolve.as_logical_rules(rules)
+    shapes = data.draw(st.lists(shapes_st(names).filter(lambda s: s is not None), max_size=12))
+    for shape in shapes:
+        got = resolver(rules, mesh_shape).resolve(names, shape)
+        assert got == reference(names, rules, shape, mesh_shape)

@@ -1,3 +1,8 @@
+"""Tests of ``make_shard_and_gather_fns`` and ``reshard_tree``
+(``flax_escale/sharding/_transfer.py``): arrays placed, gathered and moved between meshes
+bit-exactly; the mistakes ``reshard_tree`` refuses.
+"""
+
 import math
 
 import jax
@@ -9,6 +14,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.distributed import run_processes
+from support.mistakes import MISTAKE, T, case, mesh_dp_tp, params, raises_a_library_error
 
 import flax_escale as fe
 
@@ -171,3 +177,71 @@ def test_shard_and_gather_across_two_processes():
         assert result["odd_spec"] == str(P(None, "tp"))
         assert result["odd_equal"]
         assert result["odd_warned"] == ["ShardingCorrectionWarning"]
+
+
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    # --- the sharding layer: transfers, trees of specs, constraints, optimizer state -------
+    case(
+        lambda: fe.reshard_tree(params(), P("dp", "dp"), mesh=mesh_dp_tp()),
+        fe.EscaleError,
+        "shardings",
+        "P('dp', 'dp')",
+        "twice",
+        id="reshard_tree-axis-twice",
+    ),
+    case(
+        lambda: fe.reshard_tree(params(), P("fsdp"), mesh=mesh_dp_tp()),
+        fe.EscaleError,
+        "shardings",
+        "'fsdp'",
+        r"the mesh's axes \('dp', 'tp'\)",
+        id="reshard_tree-axis-not-in-mesh",
+    ),
+    case(
+        lambda: fe.reshard_tree(params(), {"v": P()}, mesh=mesh_dp_tp()),
+        fe.EscaleError,
+        "shardings",
+        "{'v': P()}",
+        "same keys",
+        id="reshard_tree-other-keys",
+    ),
+    case(
+        lambda: fe.reshard_tree({"w": jnp.zeros((3, 4))}, P("dp"), mesh=mesh_dp_tp()),
+        fe.EscaleError,
+        "shardings",
+        "(3, 4)",
+        "divide its dimensions",
+        id="reshard_tree-indivisible",
+    ),
+    case(
+        lambda: fe.reshard_tree(params(), "tp", mesh=mesh_dp_tp()),
+        T,
+        "shardings",
+        "'tp'",
+        r"PartitionSpec\('tp'\)",
+        id="reshard_tree-string",
+    ),
+    case(
+        lambda: fe.reshard_tree("params", P(), mesh=mesh_dp_tp()),
+        T,
+        "tree",
+        "'params'",
+        "not its name",
+        id="reshard_tree-tree-string",
+    ),
+    case(
+        lambda: fe.reshard_tree(params(), P(), mesh="dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="reshard_tree-mesh-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,3 +1,7 @@
+"""Tests of ``use_sharding`` (``flax_escale/sharding/_use_sharding.py``): the mesh and rules of a
+block, per thread, as Flax and JAX see them; the mistakes it refuses.
+"""
+
 import contextlib
 import threading
 
@@ -9,7 +13,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.lowered import sharding_constraints
+from support.mistakes import MISTAKE, T, case, enter, mesh5, mesh_dp_tp, raises_a_library_error
 
+import flax_escale as fe
 from flax_escale import (
     EscaleError,
     NoMeshError,
@@ -451,3 +457,66 @@ def test_exiting_in_a_thread_that_did_not_enter_is_refused(devices):
     assert "use_sharding: this context is not entered in this thread ('worker-0')" in str(
         failures[0]
     )
+
+
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    # --- a string where a sequence of names is expected -------------------------------------
+    case(
+        lambda: enter(fe.use_sharding(mesh_dp_tp(), "batch")),
+        T,
+        "rules",
+        "'batch'",
+        r"pairs",
+        id="use_sharding-rules-string",
+    ),
+    # --- a wrong type where a mesh is expected ---------------------------------------------
+    case(
+        lambda: enter(fe.use_sharding(None)),
+        T,
+        "mesh",
+        "None",
+        r"create_mesh\(",
+        id="use_sharding-none",
+    ),
+    case(
+        lambda: enter(fe.use_sharding("dp:8")),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="use_sharding-string",
+    ),
+    case(
+        lambda: enter(fe.use_sharding({"dp": 2, "tp": 4})),
+        T,
+        "mesh",
+        "dict",
+        r"create_mesh\(",
+        id="use_sharding-dict",
+    ),
+    # --- malformed rules, named where they enter -------------------------------------------
+    case(
+        lambda: enter(fe.use_sharding(mesh_dp_tp(), [("batch", ("dp", 3))])),
+        T,
+        "rules",
+        "('batch', ('dp', 3))",
+        "a name",
+        id="use_sharding-rule-tuple-with-int",
+    ),
+    # --- the sharding layer: transfers, trees of specs, constraints, optimizer state -------
+    case(
+        lambda: enter(fe.use_sharding(mesh5(), strict="yes")),
+        T,
+        "strict",
+        "'yes'",
+        "True or False",
+        id="use_sharding-strict-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -3,13 +3,18 @@
 ``tests/`` is on ``sys.path`` during a test run (``pythonpath`` in pyproject.toml's pytest
 section), so every test module, in any directory, imports these as ``support``:
 
+- ``support.built_plans``: plans of hand-written trees of abstract arrays, through ``build_plan``;
 - ``support.compiles``: what JAX traces and compiles while a block runs;
 - ``support.distributed``: a snippet of Python run in several real JAX processes on loopback;
 - ``support.example_modules``: the scripts of ``examples/`` imported as modules;
 - ``support.fake_devices``: stand-ins for devices of other processes, hosts and TPU chips;
 - ``support.lowered``: the sharding constraints of a lowered program;
-- ``support.mistakes``: the table of mistakes users make, shared by every ``test_mistakes.py``;
-- ``support.real_models``: small rewrites of Flax's example models and what their tests share.
+- ``support.mistakes``: the table of mistakes users make, whose ``CASES`` lists sit in the test
+  file of the module that raises each mistake's error;
+- ``support.mlp_plan``: a small Linen MLP and its plan (plan diffs, JSON, snapshots);
+- ``support.pictures``: models, plans and a console for the layout pictures' tests;
+- ``support.real_models``: small rewrites of Flax's example models and what their tests share;
+- ``support.tiny_workloads``: a tiny Linen workload planned on 2 devices, for the planner's tests.
 """
 
 from pathlib import Path

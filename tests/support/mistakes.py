@@ -14,10 +14,9 @@ message names the argument, shows the value and says what to pass instead: never
 case touches the file system: the checkpoint cases are refused before anything is read or
 written.
 
-The table is split by namespace: each ``test_mistakes.py`` sits beside the tests of the features
-it specifies (``tests/mesh/test_mistakes.py``, ``tests/t5x/test_mistakes.py``, ...; the
-checkers themselves in ``tests/test_mistakes.py``) and holds a ``CASES`` list of :func:`case`
-and one test::
+The table is split by module: the test file of the module whose function a case calls
+(``tests/mesh/test_creation.py``, ``tests/t5x/test_partitioner.py``, ...; the checkers themselves
+in ``tests/test_checks.py``) holds a ``CASES`` list of :func:`case` and one test::
 
     @pytest.mark.parametrize(MISTAKE, CASES)
     def test_mistake_raises_a_library_error_naming_argument_and_value(
@@ -124,8 +123,14 @@ def raises_a_library_error(fn, exc, argument, shown, hint):
 
 
 def parts() -> list[Path]:
-    """Every ``test_mistakes.py`` of the suite: the top one and one per namespace directory."""
-    return sorted([TESTS / "test_mistakes.py", *TESTS.glob("*/test_mistakes.py")])
+    """Every test file of the suite that holds a part of the table (a ``CASES`` list whose test
+    calls :func:`raises_a_library_error`), each beside the module whose mistakes it lists."""
+    return sorted(
+        path
+        for path in TESTS.glob("**/test_*.py")
+        if "\nCASES = [" in (text := path.read_text(encoding="utf-8"))
+        and "raises_a_library_error(" in text
+    )
 
 
 def all_cases() -> list:
@@ -135,7 +140,7 @@ def all_cases() -> list:
     """
     cases = []
     for path in parts():
-        name = f"_mistakes_of_{path.parent.name}"
+        name = f"_mistakes_of_{path.parent.name}_{path.stem}"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

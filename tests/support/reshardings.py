@@ -24,7 +24,7 @@ _CHILD = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", {devices})
     from flax_escale.mesh import Target
     from flax_escale.sizing._evaluate import _prune
-    from flax_escale.sizing._workload import lower_step
+    from flax_escale.sizing._programs import lower_step
     from flax_escale.tools._reshardings import compile_collecting
 
     sys.path[:0] = [{tests!r}, {folder!r}]

@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.fake_devices import FakeDevice
+from support.mistakes import (
+    MISTAKE,
+    T,
+    case,
+    mesh_dp_tp,
+    raises_a_library_error,
+)
 
-from flax_escale import create_mesh
+import flax_escale as fe
+from flax_escale import create_mesh, t5x
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.t5x import get_gpu_mesh
 from flax_escale.t5x._chunks import LocalChunker, LocalChunkInfo, process_blocks
@@ -335,3 +343,53 @@ def test_trailing_entries_past_the_rank_that_name_no_axis_are_cut():
     short = found.get_local_chunk_info((4, 4), P("data"))
     assert found.get_local_chunk_info((4, 4), P("data", None, None)) == short
     assert found.get_local_chunk_info((4, 4), ["data", None, ()]) == short
+
+
+CASES = [
+    # --- the chunker and t5x's mesh builders and data layout ------------------------------
+    case(
+        lambda: t5x.LocalChunker("dp:8"),
+        T,
+        "global_mesh",
+        "'dp:8'",
+        r"create_mesh\(",
+        id="LocalChunker-mesh-string",
+    ),
+    case(
+        lambda: t5x.LocalChunker(mesh_dp_tp(), process_index="0"),
+        T,
+        "process_index",
+        "'0'",
+        "pass the int 0",
+        id="LocalChunker-process-string",
+    ),
+    case(
+        lambda: t5x.LocalChunker(mesh_dp_tp()).get_local_chunk_info(8, ("dp",)),
+        T,
+        "global_shape",
+        "int 8",
+        r"pass \(8,\)",
+        id="get_local_chunk_info-shape-int",
+    ),
+    case(
+        lambda: t5x.LocalChunker(mesh_dp_tp()).get_local_chunk_info((8, 4), "dp"),
+        T,
+        "mesh_axes",
+        "'dp'",
+        r"PartitionSpec\('dp'\)",
+        id="get_local_chunk_info-axes-string",
+    ),
+    case(
+        lambda: t5x.LocalChunker(mesh_dp_tp()).get_local_chunk_info((8, 4), ("model",)),
+        fe.MeshError,
+        "mesh_axes",
+        "'model'",
+        r"use one of \('dp', 'tp'\)",
+        id="get_local_chunk_info-unknown-axis",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 from support.fake_devices import FakeDevice, FakeTpu
+from support.mistakes import (
+    MISTAKE,
+    T,
+    case,
+    raises_a_library_error,
+)
 
+import flax_escale as fe
+from flax_escale import t5x
 from flax_escale.errors import EscaleTypeError, MeshError
 from flax_escale.t5x import (
     bounds_from_last_device,
@@ -486,3 +494,60 @@ def test_default_mesh_hybrid_needs_both_shapes():
 def test_default_mesh_hybrid_rejects_shapes_that_do_not_fit(ici, dcn, message):
     with pytest.raises(MeshError, match=message):
         default_mesh(1, ici_mesh_shape=ici, dcn_mesh_shape=dcn, devices=hosts(2, 4))
+
+
+CASES = [
+    case(
+        lambda: t5x.default_mesh(0),
+        fe.EscaleError,
+        "num_partitions",
+        "0",
+        "positive int",
+        id="t5x-default_mesh-zero-partitions",
+    ),
+    case(
+        lambda: t5x.default_mesh("2"),
+        T,
+        "num_partitions",
+        "'2'",
+        "pass the int 2",
+        id="t5x-default_mesh-partitions-string",
+    ),
+    case(
+        lambda: t5x.default_mesh(2, devices=8),
+        T,
+        "devices",
+        "int 8",
+        r"jax\.devices\(\)\[:8\]",
+        id="t5x-default_mesh-devices-count",
+    ),
+    case(
+        lambda: t5x.get_cpu_mesh("cpu"),
+        T,
+        "devices",
+        "'cpu'",
+        r"jax\.devices\('cpu'\)",
+        id="t5x-get_cpu_mesh-devices-string",
+    ),
+    case(
+        lambda: t5x.get_gpu_mesh(2, jax.devices()[0]),
+        T,
+        "devices",
+        "CpuDevice",
+        r"jax\.devices\(\)",
+        id="t5x-get_gpu_mesh-one-device",
+    ),
+    case(
+        lambda: t5x.get_gpu_mesh("2"),
+        fe.MeshError,
+        "num_partitions",
+        "'2'",
+        "positive integer",
+        id="t5x-get_gpu_mesh-partitions-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

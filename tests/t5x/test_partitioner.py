@@ -13,9 +13,21 @@ from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.lowered import sharding_constraints
+from support.mistakes import (
+    MISTAKE,
+    T,
+    X,
+    case,
+    mesh5,
+    raises_a_library_error,
+)
+from support.mistakes import (
+    partitioner as t5x_partitioner,
+)
 
 import flax_escale as fe
 from flax_escale import nnx as fen
+from flax_escale import t5x
 from flax_escale.t5x import AxisNames, DataLayout, Partitioner, standard_logical_axis_rules
 
 HIDDEN = ("fsdp", "sp")
@@ -406,3 +418,118 @@ def test_the_partitioner_puts_idle_axes_to_use_as_init_sharded_does():
     assert idle.params["embedding"] == P(None, "tp")
     with pytest.raises(fe.EscaleTypeError, match="use_idle_axes"):
         Partitioner(mesh=mesh, use_idle_axes="no")
+
+
+CASES = [
+    case(
+        lambda: t5x.Partitioner(num_partitions="2"),
+        T,
+        "num_partitions",
+        "'2'",
+        "pass the int 2",
+        id="t5x-Partitioner-partitions-string",
+    ),
+    case(
+        lambda: t5x.Partitioner(mesh="dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="t5x-Partitioner-mesh-string",
+    ),
+    case(
+        lambda: t5x.Partitioner(model_parallel_submesh=2),
+        T,
+        "model_parallel_submesh",
+        "int 2",
+        r"pass \(2,\)",
+        id="t5x-Partitioner-submesh-int",
+    ),
+    case(
+        lambda: t5x.Partitioner(mesh=mesh5(), logical_axis_rules="batch"),
+        T,
+        "logical_axis_rules",
+        "'batch'",
+        r"pass e\.g\. \[\('batch', 'dp'\)\]",
+        id="t5x-Partitioner-rules-string",
+    ),
+    case(
+        lambda: t5x.Partitioner(mesh=mesh5(), logical_axis_rules=[("batch", 3)]),
+        T,
+        "logical_axis_rules",
+        "('batch', 3)",
+        "a name, a tuple of names or None",
+        id="t5x-Partitioner-rules-int-axes",
+    ),
+    case(
+        lambda: t5x_partitioner().partition("step", None, None),
+        T,
+        "fn",
+        "'step'",
+        "pass the step function itself",
+        id="t5x-partition-fn-string",
+    ),
+    case(
+        lambda: t5x_partitioner().partition(lambda a, b: a + b, None, None)(X, b=X),
+        T,
+        "PartitionedFunction",
+        "['b']",
+        "pass them positionally",
+        id="t5x-partitioned-call-keyword",
+    ),
+    case(
+        lambda: t5x_partitioner().partition(lambda: 1, None, None)(X),
+        T,
+        "PartitionedFunction",
+        "cannot take 1 positional",
+        "pass them as the function takes them",
+        id="t5x-partitioned-call-wrong-arity",
+    ),
+    case(
+        lambda: t5x_partitioner().get_logical_axes("params"),
+        T,
+        "train_state",
+        "'params'",
+        "not its name",
+        id="t5x-get_logical_axes-string",
+    ),
+    case(
+        lambda: t5x_partitioner().get_mesh_axes("params"),
+        T,
+        "train_state",
+        "'params'",
+        "not its name",
+        id="t5x-get_mesh_axes-string",
+    ),
+    case(
+        lambda: t5x_partitioner().move_params_to_devices("params", {"w": P()}),
+        T,
+        "train_state",
+        "'params'",
+        "not its name",
+        id="t5x-move_params_to_devices-string",
+    ),
+    case(
+        lambda: t5x_partitioner().move_params_to_devices({"w": X}, {"v": P("fsdp")}),
+        fe.EscaleError,
+        "train_state_axes",
+        "{'v': P('fsdp',)}",
+        "shaped like train_state",
+        id="t5x-move_params_to_devices-other-structure",
+    ),
+    case(
+        lambda: t5x_partitioner().compile(
+            t5x_partitioner().partition(lambda x: 2 * x, None, P()), X, X
+        ),
+        T,
+        "PartitionedFunction",
+        "cannot take 2 positional",
+        "pass them as the function takes them",
+        id="t5x-compile-wrong-arity",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

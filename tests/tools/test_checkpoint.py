@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.mistakes import CKPT, MISTAKE, T, case, mesh_dp_tp, params, raises_a_library_error
 
 import flax_escale as fe
 from flax_escale import linen as fel
@@ -115,3 +116,120 @@ def test_a_path_with_a_nul_character_is_refused_before_anything_is_written(tmp_p
     with pytest.raises(fe.EscaleError, match=message):
         fe.restore_checkpoint(bad, tree)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    case(
+        lambda: fe.save_checkpoint(None, params()),
+        T,
+        "directory",
+        "None",
+        "/tmp/checkpoints",
+        id="save_checkpoint-directory-none",
+    ),
+    case(
+        lambda: fe.save_checkpoint(CKPT.encode(), params()),
+        T,
+        "directory",
+        "bytes b'",
+        r"str or pathlib\.Path",
+        id="save_checkpoint-directory-bytes",
+    ),
+    case(
+        lambda: fe.save_checkpoint("", params()),
+        fe.EscaleError,
+        "directory",
+        "''",
+        "non-empty path",
+        id="save_checkpoint-directory-empty",
+    ),
+    case(
+        lambda: fe.save_checkpoint(CKPT, "params"),
+        T,
+        "tree",
+        "'params'",
+        "not its name",
+        id="save_checkpoint-tree-string",
+    ),
+    case(
+        lambda: fe.save_checkpoint(CKPT, None),
+        T,
+        "tree",
+        "None",
+        "pytree of arrays",
+        id="save_checkpoint-tree-none",
+    ),
+    case(
+        lambda: fe.save_checkpoint(CKPT, params(), force="yes"),
+        T,
+        "force",
+        "'yes'",
+        "True or False",
+        id="save_checkpoint-force-string",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(3, params()),
+        T,
+        "directory",
+        "int 3",
+        "/tmp/checkpoints",
+        id="restore_checkpoint-directory-int",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(CKPT, "params"),
+        T,
+        "target",
+        "'params'",
+        "not its name",
+        id="restore_checkpoint-target-string",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(CKPT, None),
+        T,
+        "target",
+        "None",
+        "pytree of arrays",
+        id="restore_checkpoint-target-none",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(CKPT, params(), shardings={"w": P("dp")}),
+        T,
+        "shardings",
+        "P('dp',)",
+        r"NamedSharding\(mesh, P\('dp',\)\)",
+        id="restore_checkpoint-shardings-spec",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(CKPT, params(), shardings="dp"),
+        fe.EscaleError,
+        "shardings",
+        "'dp'",
+        "shaped like target",
+        id="restore_checkpoint-shardings-string",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(
+            CKPT, params(), shardings={"v": NamedSharding(mesh_dp_tp(), P())}
+        ),
+        fe.EscaleError,
+        "shardings",
+        "{'v': NamedSharding",
+        "same keys",
+        id="restore_checkpoint-shardings-other-keys",
+    ),
+    case(
+        lambda: fe.restore_checkpoint(CKPT, params(), cast="yes"),
+        T,
+        "cast",
+        "'yes'",
+        "True or False",
+        id="restore_checkpoint-cast-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

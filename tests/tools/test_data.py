@@ -1,8 +1,10 @@
+import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.distributed import run_processes
+from support.mistakes import MISTAKE, T, X, case, dp_batch, mesh5, raises_a_library_error
 
 import flax_escale as fe
 
@@ -62,8 +64,6 @@ def test_single_process_round_trip_is_exact():
 
 
 def test_global_to_host_local_needs_a_named_sharding():
-    import jax
-
     with pytest.raises(fe.EscaleError, match="NamedSharding"):
         fe.global_to_host_local(jax.device_put(np.zeros(4), jax.devices()[0]))
     assert isinstance(fe.batch_sharding(fe.create_mesh((1, 8, 1, 1, 1)), (8,)), NamedSharding)
@@ -118,3 +118,142 @@ def test_data_parallel_across_hosts_needs_dp_first_in_the_batch_axes():
 def test_interleaved_rows_are_refused_with_a_clear_message():
     with pytest.raises(AssertionError, match="not one contiguous range"):
         run_processes(SNIPPET.format(dims=(2, 2, 1, 2, 1), rules=None))
+
+
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    case(
+        lambda: fe.batch_sharding(None, (8, 4)),
+        T,
+        "mesh",
+        "None",
+        r"create_mesh\(",
+        id="batch_sharding-mesh-none",
+    ),
+    case(
+        lambda: fe.batch_sharding(mesh5(), 16),
+        T,
+        "shape",
+        "int 16",
+        r"pass \(16,\)",
+        id="batch_sharding-shape-int",
+    ),
+    case(
+        lambda: fe.batch_sharding(mesh5(), X),
+        T,
+        "shape",
+        "shape (8, 4)",
+        r"pass its \.shape",
+        id="batch_sharding-shape-array",
+    ),
+    case(
+        lambda: fe.batch_sharding(mesh5(), (-8, 4)),
+        fe.EscaleError,
+        "shape",
+        "-8",
+        "at least 0",
+        id="batch_sharding-shape-negative",
+    ),
+    case(
+        lambda: fe.process_batch_slice(P("dp"), (8, 4)),
+        T,
+        "sharding",
+        "P('dp',)",
+        r"NamedSharding\(mesh, P\('dp',\)\)",
+        id="process_batch_slice-partition-spec",
+    ),
+    case(
+        lambda: fe.process_batch_slice(dp_batch(), "16"),
+        T,
+        "global_shape",
+        "'16'",
+        r"\(16, 128\)",
+        id="process_batch_slice-shape-string",
+    ),
+    case(
+        lambda: fe.process_batch_slice(dp_batch(), ()),
+        fe.EscaleError,
+        "global_shape",
+        "()",
+        "batch dimension",
+        id="process_batch_slice-shape-empty",
+    ),
+    case(
+        lambda: fe.process_batch_slice(dp_batch(), (8, 4), process_index="0"),
+        T,
+        "process_index",
+        "'0'",
+        "pass the int 0",
+        id="process_batch_slice-process-string",
+    ),
+    case(
+        lambda: fe.host_local_to_global(X, None, (8, 4)),
+        T,
+        "sharding",
+        "None",
+        r"NamedSharding\(mesh, spec\)",
+        id="host_local_to_global-sharding-none",
+    ),
+    case(
+        lambda: fe.host_local_to_global(None, dp_batch(), (8, 4)),
+        T,
+        "local",
+        "None",
+        "pytree of arrays",
+        id="host_local_to_global-local-none",
+    ),
+    case(
+        lambda: fe.host_local_to_global(X, dp_batch(), (8, 5)),
+        fe.EscaleError,
+        "global_shape",
+        "(8, 5)",
+        "process_batch_slice",
+        id="host_local_to_global-shape-mismatch",
+    ),
+    case(
+        lambda: fe.host_local_to_global(X, dp_batch(), (8,)),
+        fe.EscaleError,
+        "global_shape",
+        "(8,)",
+        "full shape",
+        id="host_local_to_global-rank-mismatch",
+    ),
+    case(
+        lambda: fe.global_to_host_local(X),
+        T,
+        "array",
+        "numpy array of shape (8, 4)",
+        "host_local_to_global",
+        id="global_to_host_local-numpy",
+    ),
+    case(
+        lambda: fe.global_to_host_local(None),
+        T,
+        "array",
+        "None",
+        r"jax\.Array",
+        id="global_to_host_local-none",
+    ),
+    case(
+        lambda: fe.process_batch_slice(NamedSharding(mesh5(), P("fsdp", None, None)), (16,)),
+        fe.EscaleError,
+        "sharding",
+        "has 3 entries for the 1 dimensions of shape (16,)",
+        "at most one entry per dimension",
+        id="process_batch_slice-spec-longer-than-shape",
+    ),
+    case(
+        lambda: fe.process_batch_slice(NamedSharding(mesh5(), P("fsdp")), (10,)),
+        fe.EscaleError,
+        "sharding",
+        "splits dimension 0 of shape (10,) into 4 parts",
+        "mesh axes divide each dimension",
+        id="process_batch_slice-indivisible",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 from support.distributed import without_gloo
+from support.mistakes import MISTAKE, case, raises_a_library_error
 
 import flax_escale as fe
 from flax_escale.__main__ import main
@@ -436,3 +437,38 @@ def test_command_line_errors(capsys):
         main([])
     assert exit_info.value.code == 2
     assert "{launch,plan,report}" in capsys.readouterr().err  # the usage names the subcommands
+
+
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, grace=float("nan")),
+        fe.EscaleError,
+        "grace",
+        "nan",
+        "finite number of at least 0",
+        id="launch-grace-nan",
+    ),
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, grace=-3.0),
+        fe.EscaleError,
+        "grace",
+        "-3.0",
+        "finite number of at least 0",
+        id="launch-grace-negative",
+    ),
+    case(
+        lambda: launch([sys.executable, "-c", "pass"], processes=1, port=70000),
+        fe.MeshError,
+        "port",
+        "70000",
+        "from 1 to 65535",
+        id="launch-port-out-of-range",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,47 +1,20 @@
+"""Tests of ``layout_picture`` and ``LayoutPicture`` (``flax_escale/tools/_picture.py``)."""
+
 import dataclasses
-import functools
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import treescope
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
-from treescope import type_registries
-from treescope.external import jax_support
+from support.pictures import Up, dense, render
 
 import flax_escale as fe
-from flax_escale import linen as fel
-from flax_escale._units import format_bytes
-from flax_escale.sharding._measure import device_blocks
-from flax_escale.tools import (
-    LayoutPicture,
-    layout_picture,
-    memory_bars,
-    memory_by_device,
-    register_treescope,
-)
-
-
-@fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
-class _Up(nnx.Module):
-    def __init__(self, rngs):
-        self.wi = nnx.Linear(64, 256, rngs=rngs)
-
-
-def _dense():
-    return nn.Dense(
-        6,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
-        ),
-    )
+from flax_escale.tools import LayoutPicture, layout_picture
 
 
 def _abstract(shape, mesh, spec, dtype=np.float32):
@@ -58,28 +31,6 @@ def _jax_blocks(array):
 
 def _blocks(picture):
     return {d.device_id: d.block for d in picture.devices}
-
-
-def _render(renderable, width=100):
-    console = Console(record=True, width=width)
-    console.print(renderable)
-    return console.export_text()
-
-
-@functools.cache
-def _optimizer_plan():
-    # A Linen train state: params/..., opt_state/... (Adam's two moments and count), step.
-    mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    dense = nn.Dense(
-        256,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
-        ),
-    )
-    state = fel.init_train_state(
-        dense, mesh, jax.random.key(0), jnp.ones((2, 64)), tx=optax.adam(1e-3)
-    )
-    return fe.sharding_report(state, show=False).plan
 
 
 # --- blocks ---------------------------------------------------------------------------------
@@ -157,14 +108,14 @@ def test_the_plain_text_of_a_small_padded_layout():
 
 def test_a_plan_array_is_pictured_before_anything_exists():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    plan = fe.plan_sharding(_dense(), mesh, 0, jnp.ones((2, 8)))
+    plan = fe.plan_sharding(dense(), mesh, 0, jnp.ones((2, 8)))
     picture = layout_picture(plan, path="params/kernel")
     assert picture.path == "params/kernel"
     assert picture.spec == P(("fsdp", "sp"), "tp")
     assert picture == layout_picture(plan["params/kernel"], plan.mesh)
     assert picture.title().startswith("params/kernel: float32[8, 6] P(('fsdp', 'sp'), 'tp')")
     # The NNX front end, and a plan read back from JSON (an abstract mesh), alike.
-    nnx_plan = fe.plan_sharding(_Up, mesh, 0)
+    nnx_plan = fe.plan_sharding(Up, mesh, 0)
     kernel = layout_picture(nnx_plan, path="wi/kernel")
     assert kernel.devices[7].block == ((48, 64), (128, 256))
     loaded = fe.ShardingPlan.from_json(nnx_plan.to_json())
@@ -193,7 +144,7 @@ def test_mesh_draws_an_unsharded_value_replicated_or_the_spec_on_another_mesh(me
 
 
 def test_a_plan_needs_a_path_it_holds():
-    plan = fe.plan_sharding(_Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
     with pytest.raises(fe.EscaleError, match=r"plan of 2 arrays; pass path= to pick one"):
         layout_picture(plan)
     with pytest.raises(
@@ -220,13 +171,13 @@ def test_no_mesh_anywhere_is_refused(mesh):
         layout_picture(jax.ShapeDtypeStruct((4,), np.float32))
     with pytest.raises(fe.NoMeshError, match=r"SingleDeviceSharding"):
         layout_picture(jnp.zeros(4))
-    plan = fe.plan_sharding(_Up, mesh, 0)
+    plan = fe.plan_sharding(Up, mesh, 0)
     with pytest.raises(fe.NoMeshError, match=r"entry 'wi/kernel' carries no mesh; pass mesh="):
         layout_picture(plan["wi/kernel"])
 
 
 def test_a_spec_the_mesh_cannot_hold_is_refused(mesh):
-    plan = fe.plan_sharding(_Up, mesh, 0)
+    plan = fe.plan_sharding(Up, mesh, 0)
     no_tp = fe.create_mesh((8,), ("fsdp",))
     with pytest.raises(fe.EscaleError, match=r"names mesh axis 'sp', which is not in the mesh"):
         layout_picture(plan["wi/kernel"], no_tp)
@@ -236,12 +187,12 @@ def test_a_spec_the_mesh_cannot_hold_is_refused(mesh):
         layout_picture(short, mesh)
 
 
-# --- rich -----------------------------------------------------------------------------------
+# --- rich and treescope ---------------------------------------------------------------------
 
 
 def test_the_rich_grid_of_a_small_case():
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    text = _render(layout_picture(_abstract((8, 4), mesh, P("fsdp", "tp"))), width=80)
+    text = render(layout_picture(_abstract((8, 4), mesh, P("fsdp", "tp"))), width=80)
     assert text == (
         "float32[8, 4] P('fsdp', 'tp') on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)\n"
         "┏━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┓\n"
@@ -283,87 +234,15 @@ def test_the_rich_grid_colours_replicas_alike(mesh):
 
 def test_the_rich_grid_handles_one_split_axis_and_three():
     fsdp8 = fe.create_mesh((1, 8, 1, 1, 1))
-    one_axis = _render(layout_picture(_abstract((16,), fsdp8, P("fsdp"))))
+    one_axis = render(layout_picture(_abstract((16,), fsdp8, P("fsdp"))))
     # One column of cells, a row per fsdp position.
     assert "┃ fsdp   ┃ devices ┃" in one_axis
     assert "│ fsdp=7 │    7    │\n│        │ [14:16] │\n│        │   8 B   │" in one_axis
     three = fe.create_mesh((2, 2, 1, 2, 1))
-    grid = _render(layout_picture(_abstract((8, 4, 2), three, P("fsdp", "tp", "dp"))), width=120)
+    grid = render(layout_picture(_abstract((8, 4, 2), three, P("fsdp", "tp", "dp"))), width=120)
     # dp and fsdp number the rows, tp the columns.
     assert re.search(r"│ dp=1 fsdp=0 │\s+4\s+│\s+5\s+│", grid)
     assert "[0:4, 2:4, 1:2]" in grid
-
-
-# --- memory ---------------------------------------------------------------------------------
-
-
-def test_memory_per_device_splits_parameters_from_optimizer_state():
-    plan = _optimizer_plan()
-    held = memory_by_device(plan)
-    report = fe.sharding_report(plan, show=False)
-    assert {d: p + o for d, (p, o) in held.items()} == report.bytes_per_device
-    expected = dict.fromkeys(range(8), 0)
-    for entry in plan:
-        if "opt_state" not in entry.path.split("/"):
-            for device, block in device_blocks(entry.shape, entry.spec, plan.mesh):
-                expected[device] += int(np.prod([b - a for a, b in block])) * 4
-    assert {d: p for d, (p, _) in held.items()} == expected
-    # Adam keeps two moments per parameter, sharded like it; its count is the step's size.
-    params, opt = held[0]
-    assert params == 64 * 256 * 4 // 8 + 256 * 4 + 4
-    assert opt == 2 * (params - 4) + 4
-
-
-def test_memory_bars_show_each_device_against_the_ideal_share():
-    plan = _optimizer_plan()
-    bars = memory_bars(plan, width=20)
-    assert bars.by_device == memory_by_device(plan)
-    assert bars.ideal_device_bytes == plan.nbytes / 8
-    lines = str(bars).splitlines()
-    assert lines[0].startswith(f"{format_bytes(plan.nbytes)} over 8 devices on mesh")
-    bar = re.match(r"device 0 ([#=| ]+) ", lines[1]).group(1)
-    params, opt = bars.by_device[0]
-    scale = 20 / (params + opt)  # balanced: every device holds the ideal share
-    assert bar.count("#") + bar.count("=") + bar.count("|") == 20
-    assert abs(bar.count("#") - params * scale) <= 1
-    assert bar.index("|") == round(bars.ideal_device_bytes * scale)
-    text = _render(bars, width=120)
-    assert "memory per device" in text
-    for glyph in "█▒│":
-        assert glyph in text
-    assert f"{format_bytes(opt)} " in text
-
-
-def test_memory_bars_mark_an_ideal_share_above_the_bars():
-    mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    plan = fe.plan_sharding(_dense(), mesh, 0, jnp.ones((2, 8)))
-    bars = memory_bars(plan, width=10)
-    assert bars.by_device[0] == (48, 0)
-    assert "device 0 ######|###  48 B (params 48 B, optimizer state 0 B)" in str(bars)
-
-
-def test_memory_errors():
-    with pytest.raises(fe.EscaleTypeError, match=r"plan must be a ShardingPlan, got dict"):
-        memory_by_device({})
-    plan = fe.plan_sharding(_Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
-    with pytest.raises(fe.EscaleError, match=r"width"):
-        memory_bars(plan, width=0)
-
-
-# --- treescope ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def registries():
-    """treescope's registries as they were, after the test (register_treescope changes them)."""
-    type_registries.update_registries_for_imports()
-    handlers = dict(type_registries.TREESCOPE_HANDLER_REGISTRY)
-    adapters = dict(type_registries.NDARRAY_ADAPTER_REGISTRY)
-    yield
-    type_registries.TREESCOPE_HANDLER_REGISTRY.clear()
-    type_registries.TREESCOPE_HANDLER_REGISTRY.update(handlers)
-    type_registries.NDARRAY_ADAPTER_REGISTRY.clear()
-    type_registries.NDARRAY_ADAPTER_REGISTRY.update(adapters)
 
 
 def _html(value):
@@ -380,45 +259,6 @@ def test_a_picture_renders_in_treescope_with_its_blocks(mesh):
     padded = _html(layout_picture(_abstract((10,), mesh, P("fsdp"))))
     assert "6       fsdp=3 tp=0  [9:10]  4 B" in padded
     assert "renderOneDigitbox(parent" not in padded
-
-
-def test_treescope_alone_fails_on_large_arrays_of_explicit_meshes(registries):
-    # The cause: treescope slices the array's edges under jit, and on Explicit axes a slice
-    # of 3 rows of a dimension split 4 ways is refused. (If this stops failing, treescope
-    # fixed it and the Auto view of _treescope.py is no longer needed.)
-    type_registries.TREESCOPE_HANDLER_REGISTRY[jax.Array] = jax_support.render_jax_arrays
-    explicit = fe.create_mesh((1, 4, 1, 2, 1), axis_types="explicit")
-    big = jax.device_put(np.zeros((512, 512), np.float32), NamedSharding(explicit, P("fsdp", "tp")))
-    with pytest.raises(Exception, match=r"not divisible by mesh axes"):
-        _html(big)
-
-
-@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
-def test_registered_treescope_renders_arrays_with_their_layout(registries, axis_types):
-    register_treescope()
-    mesh = fe.create_mesh((1, 4, 1, 2, 1), axis_types=axis_types)
-    big = jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(mesh, P("fsdp", "tp")))
-    html = _html(big)
-    assert "float32(4096, 4096)" in html
-    assert "5       fsdp=2 tp=1  [2048:3072, 2048:4096]  8.00 MiB" in html
-    # treescope's array picture (values and sharding) reads the same buffers.
-    with treescope.active_autovisualizer.set_scoped(treescope.ArrayAutovisualizer()):
-        pictured = _html(big)
-    assert "Sharded across 8 CPU devices" in pictured
-    small = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("fsdp")))
-    assert "[2:4]" in _html(small)
-    assert "[2:4]" not in _html(np.arange(8.0))
-
-
-def test_registered_treescope_renders_a_plan(registries):
-    register_treescope()
-    register_treescope()  # again: the same registration
-    assert type_registries.TREESCOPE_HANDLER_REGISTRY[fe.ShardingPlan] is not None
-    html = _html(_optimizer_plan())
-    assert "ShardingPlan: " in html
-    assert "(params 9.00 KiB, optimizer state 18.00 KiB)" in html
-    assert "params/kernel: float32[64, 256]" in html
-    assert "7       fsdp=3 tp=1  [48:64, 128:256]  8.00 KiB" in html
 
 
 def test_layout_picture_is_exported():

@@ -10,10 +10,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
+from support.mistakes import MISTAKE, T, case, mesh_dp_tp, params, raises_a_library_error
 
 import flax_escale as fe
 from flax_escale import linen as fel
-from flax_escale._units import format_bytes
 
 
 @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
@@ -213,47 +213,140 @@ def test_check_sharded_passes_good_layouts_and_names_offenders():
     fe.check_sharded({"big": half["big"]}, tolerance=1.0)
 
 
-def test_will_it_fit_reads_the_compiled_memory():
-    mesh = fe.create_mesh((1, 8, 1, 1, 1))
-    x = jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
-    step = jax.jit(lambda x: jnp.tanh(x) * 2)
-    estimate = fe.will_it_fit(step, x, device_bytes=1 << 30)
-    assert estimate.argument_bytes == 1024 * 256 * 4 // 8
-    assert estimate.output_bytes == 1024 * 256 * 4 // 8
-    assert estimate.fits
-    assert not fe.will_it_fit(step.lower(x), device_bytes=1000).fits
-    compiled = fe.will_it_fit(step.lower(x).compile())
-    assert compiled.peak_bytes >= compiled.argument_bytes
-    assert "peak" in str(compiled)
-    assert compiled.backend == "cpu"
-    assert str(compiled).startswith("per cpu device: arguments 128.00 KiB")
+# --- mistakes: each raises a library error naming the argument and showing the value ----
+
+CASES = [
+    case(
+        lambda: fe.check_sharded(params(), "dp:8"),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="check_sharded-mesh-string",
+    ),
+    case(
+        lambda: fe.check_sharded("params", mesh_dp_tp()),
+        T,
+        "tree",
+        "'params'",
+        r"variables\['params'\]",
+        id="check_sharded-string",
+    ),
+    case(
+        lambda: fe.check_sharded(42, mesh_dp_tp()),
+        T,
+        "tree",
+        "int 42",
+        "pytree of arrays",
+        id="check_sharded-int",
+    ),
+    case(
+        lambda: fe.check_sharded(None, mesh_dp_tp()),
+        T,
+        "tree",
+        "None",
+        "pytree of arrays",
+        id="check_sharded-none",
+    ),
+    case(
+        lambda: fe.check_sharded({"w": "kernel"}, mesh_dp_tp()),
+        T,
+        "tree",
+        "{'w': 'kernel'}",
+        "no array leaf",
+        id="check_sharded-no-arrays",
+    ),
+    case(
+        lambda: fe.sharding_report("params", mesh_dp_tp(), show=False),
+        T,
+        "tree",
+        "'params'",
+        r"variables\['params'\]",
+        id="sharding_report-string",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), min_bytes="1MB"),
+        T,
+        "min_bytes",
+        "'1MB'",
+        "int of at least 0",
+        id="check_sharded-min_bytes-string",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), min_bytes=-1),
+        fe.EscaleError,
+        "min_bytes",
+        "-1",
+        "int of at least 0",
+        id="check_sharded-min_bytes-negative",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), tolerance="0.1"),
+        T,
+        "tolerance",
+        "'0.1'",
+        "not a string",
+        id="check_sharded-tolerance-string",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), tolerance=-0.1),
+        fe.EscaleError,
+        "tolerance",
+        "-0.1",
+        "at least 0",
+        id="check_sharded-tolerance-negative",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), top="5"),
+        T,
+        "top",
+        "'5'",
+        "pass the int 5",
+        id="check_sharded-top-string",
+    ),
+    case(
+        lambda: fe.check_sharded(params(), mesh_dp_tp(), rules="batch"),
+        T,
+        "rules",
+        "'batch'",
+        "pairs",
+        id="check_sharded-rules-string",
+    ),
+    case(
+        lambda: fe.sharding_report(params(), mesh_dp_tp(), console="stdout"),
+        T,
+        "console",
+        "'stdout'",
+        r"Console\(\)",
+        id="sharding_report-console-string",
+    ),
+    case(
+        lambda: fe.sharding_report(params(), mesh_dp_tp(), show="no"),
+        T,
+        "show",
+        "'no'",
+        "True or False",
+        id="sharding_report-show-string",
+    ),
+    case(
+        lambda: fe.sharding_report(None, mesh_dp_tp(), show=False),
+        T,
+        "tree",
+        "None",
+        "pytree of arrays",
+        id="sharding_report-none",
+    ),
+    case(
+        lambda: fe.sharding_report(params(), "dp:8", show=False),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="sharding_report-mesh-string",
+    ),
+]
 
 
-def test_will_it_fit_labels_an_init_with_its_temporaries_and_backend():
-    mesh = fe.create_mesh((1, 8, 1, 1, 1))
-    model = nn.Dense(
-        1024,
-        use_bias=False,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
-        ),
-    )
-    lowered = fe.lower_init(model, mesh, jax.random.key(0), jnp.ones((2, 1024)))
-    estimate = fe.will_it_fit(lowered)
-    assert estimate.output_bytes == 1024 * 1024 * 4 // 8
-    # XLA's CPU backend materializes the random bits before transforming them.
-    assert estimate.temp_bytes > 0
-    assert estimate.peak_bytes == estimate.argument_bytes + estimate.output_bytes + (
-        estimate.temp_bytes
-    )
-    assert f"temporaries {format_bytes(estimate.temp_bytes)}" in str(estimate)
-
-
-def test_will_it_fit_reads_nnx_jits_stages_as_jaxs_own():
-    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
-    x = jnp.ones((8, 64))
-    lowered = nnx.jit(lambda m, x: m(x)).lower(model, x)
-    compiled = lowered.compile()
-    expected = fe.will_it_fit(compiled.compiled)
-    assert fe.will_it_fit(compiled) == expected
-    assert fe.will_it_fit(lowered).peak_bytes == expected.peak_bytes
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

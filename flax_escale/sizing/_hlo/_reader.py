@@ -206,7 +206,7 @@ def program_costs(program: Any) -> ProgramCosts:
         mesh-axes form; empty means every device of the program).
 
     Example:
-        >>> from flax_escale.sizing._hlo._reader import program_costs
+        >>> from flax_escale.sizing._hlo import program_costs
         >>> costs = program_costs('''
         ... HloModule m, num_partitions=4
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -240,7 +240,7 @@ def collective_bytes(program: Any) -> dict[str, int]:
         :func:`program_costs` counts them.
 
     Example:
-        >>> from flax_escale.sizing._hlo._reader import collective_bytes
+        >>> from flax_escale.sizing._hlo import collective_bytes
         >>> collective_bytes('''
         ... %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
         ...   %ag = f32[64]{0} all-gather(%x), dimensions={0}

@@ -1,0 +1,218 @@
+"""The entry points of flax_escale/_api.py: the mistakes users make with them, one case each.
+
+Cases for ``init_sharded``, ``lower_init``, ``plan_sharding`` and ``sharded_module``, for Linen
+and NNX models. What a case asserts, and the rest of the table: ``support/mistakes.py``.
+"""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from support.mistakes import (
+    MISTAKE,
+    T,
+    X,
+    _Up,
+    case,
+    dense,
+    mesh5,
+    mesh_dp_tp,
+    raises_a_library_error,
+)
+
+import flax_escale as fe
+
+CASES = [
+    # --- a wrong type where a mesh is expected ---------------------------------------------
+    case(
+        lambda: fe.init_sharded(_Up, "dp:8", 0),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="init_sharded-nnx-mesh-string",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), None, jax.random.key(0), X),
+        T,
+        "mesh",
+        "None",
+        r"create_mesh\(",
+        id="init_sharded-linen-mesh-none",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Up, (2, 4), 0),
+        T,
+        "mesh",
+        "(2, 4)",
+        r"create_mesh\(",
+        id="plan_sharding-nnx-mesh-tuple",
+    ),
+    # --- the wrong kind of model, an rng that is neither a key nor a seed ------------------
+    case(
+        lambda: fe.init_sharded(nn.Dense, mesh_dp_tp(), jax.random.key(0), X),
+        T,
+        "model",
+        "Dense",
+        r"pass Dense\(\.\.\.\)",
+        id="init_sharded-linen-class",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), 0.5),
+        T,
+        "rng",
+        "float 0.5",
+        r"jax\.random\.key\(0\)",
+        id="init_sharded-nnx-rng-float",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), mesh_dp_tp(), 0.5, X),
+        T,
+        "rng",
+        "float 0.5",
+        r"jax\.random\.key\(0\)",
+        id="init_sharded-linen-rng-float",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), "0"),
+        T,
+        "rng",
+        "'0'",
+        r"jax\.random\.key",
+        id="nnx-init_sharded-rng-string",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), mesh_dp_tp(), None, X),
+        T,
+        "rng",
+        "None",
+        r"jax\.random\.key",
+        id="linen-init_sharded-rng-none",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), True),
+        T,
+        "rng",
+        "bool True",
+        r"jax\.random\.key",
+        id="init_sharded-rng-bool",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), {"params": 0.5}),
+        T,
+        "rng['params']",
+        "float 0.5",
+        r"jax\.random\.key",
+        id="init_sharded-rng-dict-float",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), np.float32(0.5)),
+        T,
+        "rng",
+        "0.5",
+        r"jax\.random\.key",
+        id="init_sharded-rng-numpy-float",
+    ),
+    case(
+        lambda: fe.plan_sharding(dense(), mesh_dp_tp(), 0.5, X),
+        T,
+        "rng",
+        "float 0.5",
+        r"jax\.random\.key",
+        id="plan_sharding-linen-rng-float",
+    ),
+    case(
+        lambda: fe.lower_init(_Up, mesh_dp_tp(), 0.5),
+        T,
+        "rng",
+        "float 0.5",
+        r"jax\.random\.key",
+        id="lower_init-nnx-rng-float",
+    ),
+    case(
+        lambda: fe.lower_init(dense(), mesh_dp_tp(), 0.5, X),
+        T,
+        "rng",
+        "float 0.5",
+        r"jax\.random\.key",
+        id="lower_init-linen-rng-float",
+    ),
+    # --- the vocabulary and the front ends ---------------------------------------------------
+    case(
+        lambda: fe.init_sharded("MLP", mesh5(), 0),
+        T,
+        "model",
+        "'MLP'",
+        "NNX module class",
+        id="init_sharded-model-name",
+    ),
+    case(
+        lambda: fe.lower_init(dense(), "dp:8", jax.random.key(0), X),
+        T,
+        "mesh",
+        "'dp:8'",
+        "parse_mesh_from_string",
+        id="linen-lower_init-mesh-string",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Up, None, 0),
+        T,
+        "mesh",
+        "None",
+        r"create_mesh\(",
+        id="nnx-plan_sharding-mesh-none",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh_dp_tp(), np.array([0.5])),
+        T,
+        "rng",
+        "ndarray of shape (1,) and dtype float64",
+        r"jax\.random\.key",
+        id="init_sharded-rng-float-array",
+    ),
+    case(
+        lambda: fe.plan_sharding(dense(), mesh5(), jax.random.key(0), X, method=3),
+        T,
+        "method",
+        "int 3",
+        r"pass one of its methods \('__call__'\)",
+        id="linen-plan_sharding-method-int",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), mesh5(), jax.random.key(0), X, method="encode"),
+        fe.EscaleError,
+        "method",
+        "'encode'",
+        r"pass one of its methods \('__call__'\)",
+        id="linen-init_sharded-method-missing",
+    ),
+    case(
+        lambda: fe.init_sharded(
+            nn.Dense(
+                8,
+                kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "fsdp")),
+            ),
+            mesh5(),
+            jax.random.key(0),
+            X,
+        ),
+        fe.EscaleError,
+        "params/kernel",
+        "('fsdp', 'fsdp')",
+        "each mesh axis may appear once",
+        id="linen-with_partitioning-axis-twice",
+    ),
+    case(
+        lambda: fe.sharded_module(patterns={"kernel": "embed"}),
+        T,
+        "patterns",
+        "'embed'",
+        r"such as \('hidden_state', None\)",
+        id="linen-sharded_module-axes-string",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)
