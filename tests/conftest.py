@@ -17,6 +17,10 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+# Tests that compile for a TPU slice load libtpu, which takes a lock file unless told that
+# several processes may load it (only its compiler is used): the workers of a run load it side
+# by side, whichever test loads it first.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # Messages show specs with JAX's repr, which older JAX (the supported lower bound) spells
 # PartitionSpec(...) where newer JAX writes P(...); the tests match the newer spelling, so on

@@ -1,13 +1,16 @@
 """The entry points of flax_escale/_api.py: the mistakes users make with them, one case each.
 
 Cases for ``init_sharded``, ``lower_init``, ``plan_sharding`` and ``sharded_module``, for Linen
-and NNX models. What a case asserts, and the rest of the table: ``support/mistakes.py``.
+and NNX models: the mesh, the model's kind and the rng, checked before a front end has the
+model. What a case asserts, and the rest of the table: ``support/mistakes.py``.
 """
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support.mistakes import (
     MISTAKE,
     T,
@@ -209,6 +212,83 @@ CASES = [
         "'embed'",
         r"such as \('hidden_state', None\)",
         id="linen-sharded_module-axes-string",
+    ),
+    # --- an rng that is not a key or seed ------------------------------------------------
+    case(
+        lambda: fe.init_sharded(dense(), mesh5(), nnx.Rngs(0), X),
+        T,
+        "rng",
+        "an nnx.Rngs",
+        r"pass the seed or key you would give nnx\.Rngs",
+        id="linen-init_sharded-rng-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(dense(), mesh5(), [0], X),
+        T,
+        "rng",
+        "list [0]",
+        r"pass jax\.random\.key\(0\) or 0",
+        id="linen-init_sharded-rng-list",
+    ),
+    # --- an nnx.Rngs, or an array that is not one key, where a seed or key is expected -----
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), nnx.Rngs(0)),
+        T,
+        "rng",
+        "an nnx.Rngs",
+        r"build the module's nnx\.Rngs from a seed or key themselves.*0 or "
+        r"jax\.random\.key\(0\)",
+        id="nnx-init_sharded-rng-rngs",
+    ),
+    case(
+        lambda: fe.lower_init(_Up, mesh5(), {"params": nnx.Rngs(0)}),
+        T,
+        "rng['params']",
+        "an nnx.Rngs",
+        r"a dict of them by stream name such as \{'params': 0, 'dropout': 1\}",
+        id="nnx-lower_init-rng-dict-of-rngs",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Up, mesh5(), nnx.Rngs(0).params),
+        T,
+        "rng",
+        "an nnx.RngStream",
+        r"pass the seed or key you would give nnx\.Rngs",
+        id="nnx-plan_sharding-rng-stream",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), jax.random.split(jax.random.key(0), 2)),
+        T,
+        "rng",
+        "of shape (2,) and dtype key<fry>",
+        r"pass one key, e\.g\. keys\[0\]",
+        id="nnx-init_sharded-rng-key-array",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), jnp.array(0)),
+        T,
+        "rng",
+        "Array(0, dtype=int32",
+        r"pass the seed as a Python int, int\(seed\)",
+        id="nnx-init_sharded-rng-int-array",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), [0, 1]),
+        T,
+        "rng",
+        "list [0, 1]",
+        r"pass jax\.random\.key\(0\) or 0",
+        id="nnx-init_sharded-rng-list",
+    ),
+    # --- a module already built where its class is expected ---------------------------------
+    case(
+        lambda: fe.init_sharded(_Up(nnx.Rngs(0)), mesh5(), 0),
+        T,
+        "model",
+        "_Up",
+        r"pass its class, or a function that builds it from its rngs, such as lambda rngs: "
+        r"_Up\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-module-instance",
     ),
 ]
 

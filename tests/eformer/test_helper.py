@@ -113,6 +113,78 @@ def test_create_partition_spec_spends_no_dimension_on_a_size_one_axis(devices):
     assert helper.create_partition_spec((1024,), [("dp",)]) == P(None)
 
 
+def test_helper_analyzes_creates_and_shards():
+    mesh = fe.create_mesh((2, 4, 1, 1, 1))
+    helper = fe.eformer.MeshPartitionHelper(mesh)
+    assert helper.axis_sizes == {"dp": 2, "fsdp": 4, "ep": 1, "tp": 1, "sp": 1}
+    params = {"w": np.arange(512 * 8, dtype=np.float32).reshape(512, 8), "b": np.ones(8)}
+    analysis = helper.analyze_pytree(params)
+    # eformer's suggestions and its placement of them (the tests above have the details).
+    assert analysis == {
+        (8,): [("dp",), ("tp",), ("fsdp",)],
+        (512, 8): [("fsdp", "sp"), ("dp",), ("tp",)],
+    }
+    assert helper.create_partition_spec((512, 8), analysis[(512, 8)]) == P("fsdp", "sp")
+    assert helper.create_partition_spec((8,), [("fsdp",)]) == P(None)  # under min_shard_size
+    sharded = helper.auto_shard_pytree(params)
+    assert sharded["w"].sharding.spec == P(("fsdp", "dp"), None)
+    assert sharded["w"].addressable_shards[0].data.shape == (64, 8)
+    np.testing.assert_array_equal(sharded["w"], params["w"])
+    assert helper.partition_specs(params) == {"w": P(("fsdp", "dp")), "b": P()}
+
+
+def test_create_partition_spec_places_or_skips_methods_and_refuses_unknown_axes():
+    # eformer's helper reads methods as candidates: what does not fit is placed elsewhere or
+    # skipped (test_helper_places_methods_as_eformer_does has eformer's two passes); unknown axes
+    # raise.
+    helper = fe.eformer.MeshPartitionHelper(fe.create_mesh((1, 4, 1, 2, 1)))
+    assert helper.create_partition_spec((6, 1024), [("fsdp",), ()]) == P(None, "fsdp")
+    assert helper.create_partition_spec((1024, 1024), [("fsdp",), ("fsdp",)]) == P("fsdp", None)
+    assert helper.create_partition_spec((1024, 1024), [(), (), ("tp",)]) == P("tp", None)
+    with pytest.raises(fe.EscaleError, match=r"methods\[0\] \('nope',\): 'nope' is not an axis"):
+        helper.create_partition_spec((1024, 1024), [("nope",), ()])
+    with pytest.raises(fe.EscaleTypeError, match=r"methods\[1\] must be None, .*got int 3"):
+        helper.create_partition_spec((1024, 1024), [("fsdp",), 3])
+    with pytest.raises(fe.EscaleTypeError, match=r"methods must be a list .*got str 'fsdp'"):
+        helper.create_partition_spec((1024, 1024), "fsdp")
+    with pytest.raises(fe.ShardingResolutionError):
+        helper.shard_array(np.zeros((6, 1024)), P("fsdp"))
+
+
+def test_create_partition_spec_gives_one_entry_per_dimension():
+    helper = fe.eformer.MeshPartitionHelper(fe.create_mesh((1, 4, 1, 2, 1)))
+    assert helper.create_partition_spec((1024, 1024), [(), (), ()]) == P(None, None)
+    assert helper.create_partition_spec((1024, 1024), [("fsdp",), ("tp",), ()]) == P("fsdp", "tp")
+    assert helper.create_partition_spec((1024, 1024), ["tp", None]) == P("tp", None)
+
+
+def test_every_helper_path_honours_the_partition_axis():
+    # On a ('data', 'model') mesh, 'model' is the tensor axis only if paxis says so.
+    mesh = fe.create_mesh((2, 4), ("data", "model"))
+    paxis = fe.PartitionAxis(data_parallel_axis="data", tensor_parallel_axis="model")
+    helper = fe.eformer.MeshPartitionHelper(mesh, paxis)
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    assert helper.suggest_methods((64, 64)) == [("data",), ("model",)]
+    assert helper.analyze_pytree({"w": w}) == {(64, 64): [("data",), ("model",)]}
+    assert helper.partition_specs({"w": w}) == {"w": P("data", "model")}
+    assert fe.sharding.spec_from_shape((64, 64), mesh, paxis=paxis) == P("data", "model")
+    sharded = helper.auto_shard_pytree({"w": w})["w"]
+    assert sharded.sharding.spec == P("data", "model")
+    assert sharded.addressable_shards[0].data.shape == (32, 16)
+    np.testing.assert_array_equal(sharded, w)
+    # Without paxis both axes are data axes and share the first dimension.
+    assert fe.eformer.MeshPartitionHelper(mesh).partition_specs({"w": w}) == {
+        "w": P(("data", "model"))
+    }
+    assert fe.sharding.spec_from_shape((64, 64), mesh) == P(("data", "model"))
+
+
+def test_shape_structs_give_specs_for_a_sharded_init():
+    mesh = fe.create_mesh((1, 4, 1, 2, 1))
+    tree = {"k": jax.ShapeDtypeStruct((256, 64), np.float32)}
+    assert fe.eformer.MeshPartitionHelper(mesh).partition_specs(tree) == {"k": P("fsdp", "tp")}
+
+
 CASES = [
     case(
         lambda: fe.eformer.MeshPartitionHelper("dp:8"),

@@ -10,6 +10,18 @@ from flax.training.train_state import TrainState
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.lowered import sharding_constraints
+from support.mistakes import (
+    MISTAKE,
+    TX,
+    T,
+    X,
+    _Up,
+    case,
+    dense,
+    mesh5,
+    mesh_dp_tp,
+    raises_a_library_error,
+)
 from support.values import assert_same_values
 
 import flax_escale as fe
@@ -228,6 +240,28 @@ def test_corrections_are_recorded_and_strict_raises():
         fe.init_sharded(Odd(), mesh, KEY, x, strict=True)
 
 
+def test_linen_init_of_a_kernel_no_rule_divides(devices):
+    fsdp8 = fe.create_mesh(MESHES["fsdp8"])
+    # (6, 12) on fsdp=8: hidden_state's fallback (fsdp, sp) divides neither 6 nor 12, and tp=1.
+    model = nn.Dense(
+        12,
+        use_bias=False,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
+        ),
+    )
+    x = jnp.ones((2, 6))
+    with pytest.raises(
+        fe.ShardingResolutionError,
+        match=r"parameter 'params/kernel': logical axes \('hidden_state', 'mlp_intermediate'\) "
+        r"with shape \(6, 12\) on mesh \{'dp': 1, 'fsdp': 8, 'ep': 1, 'tp': 1, 'sp': 1\}",
+    ):
+        fe.init_sharded(model, fsdp8, jax.random.key(0), x, strict=True)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=r"size 6 is not divisible"):
+        variables = fe.init_sharded(model, fsdp8, jax.random.key(0), x)
+    assert variables["params"]["kernel"].sharding.spec == P(None, None)
+
+
 def test_errors_for_wrong_models():
     mesh = fe.create_mesh((1, 8, 1, 1, 1))
     with pytest.raises(fe.EscaleTypeError, match=r"flax\.linen\.Module instance"):
@@ -315,3 +349,60 @@ def test_an_int_seed_is_the_key_it_names_as_for_nnx(seed):
     from_key = fe.init_sharded(nn.Dense(4), mesh, jax.random.key(0), x)
     for got, want in zip(jax.tree.leaves(from_seed), jax.tree.leaves(from_key), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# Mistakes users make with init_train_state and the Linen front end's checks of a model call.
+# What a case asserts, and the rest of the table: support/mistakes.py.
+CASES = [
+    # --- a string where a sequence of names is expected -------------------------------------
+    case(
+        lambda: fel.init_train_state(
+            dense(), mesh_dp_tp(), jax.random.key(0), X, tx=TX, shard_over="dp"
+        ),
+        T,
+        "shard_over",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="linen-init_train_state-shard_over",
+    ),
+    # --- the sharding layer: transfers, trees of specs, constraints, optimizer state -------
+    case(
+        lambda: fel.init_train_state(dense(), mesh5(), jax.random.key(0), X, tx=None),
+        T,
+        "tx",
+        "None",
+        r"optax\.adam\(1e-3\)",
+        id="linen-init_train_state-tx-none",
+    ),
+    # --- the vocabulary and the front ends ---------------------------------------------------
+    case(
+        lambda: fel.init_train_state(_Up, mesh5(), jax.random.key(0), X, tx=optax.sgd(0.1)),
+        T,
+        "model",
+        "_Up",
+        r"flax_escale\.nnx\.init_optimizer",
+        id="linen-init_train_state-nnx-class",
+    ),
+    # --- inputs the model cannot be initialized with ----------------------------------------
+    case(
+        lambda: fel.init_train_state(dense(), mesh5(), jax.random.key(0), tx=TX),
+        T,
+        "model",
+        "Dense.__call__(inputs)",
+        r"missing a required argument: 'inputs'.*pass the example inputs after rng",
+        id="linen-init_train_state-no-inputs",
+    ),
+    case(
+        lambda: fe.lower_init(dense(), mesh5(), jax.random.key(0), "x"),
+        T,
+        "inputs[0]",
+        "str 'x'",
+        r"pass arrays \(or jax\.ShapeDtypeStruct\) as inputs",
+        id="linen-lower_init-string-input",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -6,11 +6,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import values
+from support.mistakes import MISTAKE, T, case, raises_a_library_error
+from support.plain_reads import IDS, plain
 
 import flax_escale as fe
 from flax_escale import nnx as fen
 
 X = jnp.ones((2, 8))
+HIDDEN = ("fsdp", "sp")
+KERNEL = ("hidden_state", "mlp_intermediate")
 
 
 def names_of(module):
@@ -200,3 +207,109 @@ def test_unused_pattern_is_reported_by_the_plan():
     assert plan["d/kernel"].spec == jax.P(("fsdp", "sp"), None)
     with pytest.raises(fe.EscaleError, match="pattern 'kernal' matched no variable"):
         fe.plan_sharding(Typo, mesh, 0, strict=True)
+
+
+def test_nnx_pattern_matching_nothing_names_the_variables_seen(devices):
+    fsdp8 = fe.create_mesh((1, 8, 1, 1, 1))
+
+    @fe.sharded_module({"kernel": KERNEL, "wq/kernel": ("hidden_state", "head")})
+    class Seen(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Linear(8, 16, rngs=rngs)
+
+    expected = (
+        r"Seen: pattern 'wq/kernel' matched no variable \(variables seen under it: w/bias, "
+        r"w/kernel\)\. Fix the pattern or remove it\."
+    )
+    with pytest.raises(fe.EscaleError, match=expected):
+        fe.init_sharded(Seen, fsdp8, 0, strict=True)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=expected):
+        fe.init_sharded(Seen, fsdp8, 0)
+
+
+# NNX: a model reading a (decorated) child's parameter while it builds and while it runs.
+
+DeclaredEmbed = fe.sharded_module({"embedding": ("vocab", "hidden_state")})(
+    type("DeclaredEmbed", (nnx.Embed,), {})
+)
+
+
+class NnxTied(nnx.Module):
+    embed_class = nnx.Embed
+
+    def __init__(self, rngs):
+        self.wte = self.embed_class(32, 16, rngs=rngs)
+        self.h = nnx.Linear(16, 16, rngs=rngs)
+        # Built from the child's table: one bias per vocabulary entry (no sum over a split
+        # dimension, whose order of addition would differ on the mesh).
+        self.head_bias = nnx.Param(plain(self.wte.embedding[...])[:, 0] * 0.5)
+
+    def __call__(self, ids):
+        table = plain(self.wte.embedding[...])
+        head = plain(self.wte.embedding.get_value())
+        assert table is head
+        return nnx.relu(self.h(self.wte(ids))) @ table.T + self.head_bias[...]
+
+
+@fe.sharded_module({"h/kernel": KERNEL, "head_bias": ("vocab",)})
+class OurNnxTied(NnxTied):
+    embed_class = DeclaredEmbed
+
+
+def test_nnx_tied_head_reads_plain_values_and_is_born_sharded(mesh):
+    model = fe.init_sharded(OurNnxTied, mesh, 0)
+    reference = jax.jit(lambda key: nnx.state(NnxTied(nnx.Rngs(key))))(jax.random.key(0))
+    # Values only: the module's variables carry their specs in metadata.
+    values.assert_same_values(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(reference))
+    assert model.wte.embedding.get_value().sharding.spec == P("tp", HIDDEN)
+    assert model.h.kernel.get_value().sharding.spec == P(HIDDEN, "tp")
+    assert model.head_bias.get_value().sharding.spec == P("tp")
+    plan = fe.plan_sharding(OurNnxTied, mesh, 0)
+    assert plan["wte/embedding"].annotation.logical_axes == ("vocab", "hidden_state")
+    unsharded = NnxTied(nnx.Rngs(0))
+    # Sharded matmuls add in another order: equal to float32 rounding.
+    np.testing.assert_allclose(model(IDS), unsharded(IDS), rtol=1e-5, atol=1e-6)
+
+    optimizer = fen.init_optimizer(model, optax.adam(1e-2))
+    assert optimizer.opt_state[0].mu["wte"]["embedding"].get_value().sharding.spec == P(
+        "tp", HIDDEN
+    )
+
+    @nnx.jit
+    def step(model, optimizer, ids):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(ids) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    loss = step(model, optimizer, IDS)
+    np.testing.assert_allclose(loss, jnp.mean(unsharded(IDS) ** 2), rtol=1e-5)
+    # nnx.jit gives the layout back in the compiler's spelling (sp has size 1).
+    updated = model.wte.embedding.get_value().sharding
+    assert updated.is_equivalent_to(NamedSharding(mesh, P("tp", HIDDEN)), 2)
+
+
+# Mistakes users make with stacked. What a case asserts, and the rest of the table:
+# support/mistakes.py.
+CASES = [
+    case(
+        lambda: fen.stacked(3),
+        T,
+        "name",
+        "int 3",
+        "'layers'",
+        id="nnx-stacked-int",
+    ),
+    case(
+        lambda: fen.stacked(""),
+        fe.EscaleError,
+        "name",
+        "''",
+        "pass e.g. 'layers'",
+        id="nnx-stacked-empty",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,3 +1,5 @@
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.lowered import sharding_constraints
+from support.mistakes import MISTAKE, TX, T, _Up, case, mesh5, raises_a_library_error
 from support.values import assert_same_value, assert_same_values
 
 import flax_escale as fe
@@ -300,6 +303,24 @@ def test_errors():
         fe.plan_sharding(nn.Dense, mesh, 0)
 
 
+def test_nnx_init_of_a_kernel_no_rule_divides(devices):
+    fsdp8 = fe.create_mesh(MESHES["fsdp8"])
+
+    # (6, 12) on fsdp=8: hidden_state's fallback (fsdp, sp) divides neither 6 nor 12, and tp=1.
+    @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate")})
+    class Odd(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Linear(6, 12, use_bias=False, rngs=rngs)
+
+    with pytest.raises(fe.ShardingResolutionError, match=r"parameter 'w/kernel'.*\(6, 12\)"):
+        fe.init_sharded(Odd, fsdp8, 0, strict=True)
+    with pytest.warns(
+        fe.ShardingCorrectionWarning, match=r"(?s)'w/kernel'.*size 6 is not divisible"
+    ):
+        module = fe.init_sharded(Odd, fsdp8, 0)
+    assert module.w.kernel.get_value().sharding.spec == P(None, None)
+
+
 class _Scaled(nnx.Module):
     """Initializers with arithmetic after the random draw, where rounding can differ."""
 
@@ -320,3 +341,192 @@ def test_values_are_bit_equal_on_auto_and_explicit_meshes(axis_types):
         a, b = got[path[0]][path[1]].get_value(), reference[path[0]][path[1]].get_value()
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.mesh == mesh
+
+
+# Mistakes users make with init_optimizer (its wrt filter too) and with the NNX constructors
+# that init_sharded and plan_sharding call. What a case asserts, and the rest of the table:
+# support/mistakes.py.
+
+
+# Named with an underscore, as the messages of the cases that pass the classes show them.
+class _Sized(nnx.Module):
+    def __init__(self, din, rngs):
+        self.wi = nnx.Linear(din, 8, use_bias=False, rngs=rngs)
+
+
+class _NoRngs(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros((4, 4)))
+
+
+def _built():
+    """A model whose only variable is a Param, built sharded."""
+    return fe.init_sharded(_Up, mesh5(), 0)
+
+
+CASES = [
+    # --- a string where a sequence of names is expected -------------------------------------
+    case(
+        lambda: fen.init_optimizer(
+            fe.init_sharded(_Up, fe.create_mesh((1, 4, 1, 2, 1)), 0), TX, shard_over="dp"
+        ),
+        T,
+        "shard_over",
+        "'dp'",
+        r"pass \('dp',\)",
+        id="nnx-init_optimizer-shard_over",
+    ),
+    # --- the vocabulary and the front ends ---------------------------------------------------
+    case(
+        lambda: fen.init_optimizer("model", TX),
+        T,
+        "model",
+        "'model'",
+        r"flax\.nnx\.Module",
+        id="nnx-init_optimizer-model-string",
+    ),
+    case(
+        lambda: fen.init_optimizer(_Up(nnx.Rngs(0)), None),
+        T,
+        "tx",
+        "None",
+        r"optax\.adam\(1e-3\)",
+        id="nnx-init_optimizer-tx-none",
+    ),
+    # --- a filter of what to optimize that is none, or selects nothing ----------------------
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=3),
+        T,
+        "wrt",
+        "int 3",
+        r"pass nnx\.Param \(the default\)",
+        id="nnx-init_optimizer-wrt-int",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=[nnx.Param, 3.5]),
+        T,
+        "wrt",
+        "3.5",
+        r"pass nnx\.Param \(the default\)",
+        id="nnx-init_optimizer-wrt-list-with-float",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=lambda: True),
+        T,
+        "wrt",
+        "<lambda>()",
+        r"\(path, value\).*exactly those 2 parameters",
+        id="nnx-init_optimizer-wrt-arity",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=lambda path, value: None),
+        fe.EscaleError,
+        "wrt",
+        "function",
+        r"selects none of the model's variables \(it holds Param\).*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-selects-nothing",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt="params"),
+        fe.EscaleError,
+        "wrt",
+        "'params'",
+        r"selects variables by tag, not by collection name.*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-collection-name",
+    ),
+    case(
+        lambda: fen.init_optimizer(_built(), TX, wrt=nnx.BatchStat),
+        fe.EscaleError,
+        "wrt",
+        "BatchStat",
+        r"selects none of the model's variables.*pass nnx\.Param",
+        id="nnx-init_optimizer-wrt-absent-type",
+    ),
+    # --- a constructor that cannot be called as model(*args, rngs=..., **kwargs) ------------
+    case(
+        lambda: fe.init_sharded(_Sized, mesh5(), 0),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"missing a required argument: 'din'.*after rng.*lambda rngs: _Sized\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-class-missing-argument",
+    ),
+    case(
+        lambda: fe.plan_sharding(_Sized, mesh5(), 0),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"missing a required argument: 'din'.*after rng",
+        id="nnx-plan_sharding-class-missing-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(_Sized, mesh5(), 0, 4, 5),
+        T,
+        "model",
+        "_Sized(din, rngs)",
+        r"2 positional argument.*after rng",
+        id="nnx-init_sharded-class-extra-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(lambda: _Up(nnx.Rngs(0)), mesh5(), 0),
+        T,
+        "model",
+        "<lambda>()",
+        r"unexpected keyword argument 'rngs'.*must take the keyword argument rngs",
+        id="nnx-init_sharded-factory-without-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(lambda r: _Up(r), mesh5(), 0),
+        T,
+        "model",
+        "<lambda>(r)",
+        r"must take the keyword argument rngs.*lambda rngs: Model\(\.\.\., rngs=rngs\)",
+        id="nnx-init_sharded-factory-rngs-misnamed",
+    ),
+    case(
+        lambda: fe.init_sharded(_NoRngs, mesh5(), 0),
+        T,
+        "model",
+        "_NoRngs()",
+        r"must take the keyword argument rngs",
+        id="nnx-init_sharded-class-without-rngs",
+    ),
+    case(
+        lambda: fe.init_sharded(functools.partial(_Sized), mesh5(), 0),
+        T,
+        "model",
+        "functools.partial(<class",
+        r"missing a required argument: 'din'",
+        id="nnx-init_sharded-partial-missing-argument",
+    ),
+    case(
+        lambda: fe.init_sharded(_Up, mesh5(), 0, rngs=nnx.Rngs(1)),
+        T,
+        "rngs",
+        "Rngs",
+        r"pass its seed or key as rng",
+        id="nnx-init_sharded-rngs-keyword",
+    ),
+    # --- a factory that builds no module; a class where a built module is expected -------
+    case(
+        lambda: fe.init_sharded(lambda rngs: {"up": _Up(rngs)}, mesh5(), 0),
+        T,
+        "model",
+        "returned a dict",
+        r"goes inside a module's attribute",
+        id="nnx-init_sharded-factory-returns-dict",
+    ),
+    case(
+        lambda: fen.init_optimizer(_Up, TX),
+        T,
+        "model",
+        "_Up",
+        r"build it first, e\.g\. init_sharded\(_Up, mesh, 0\)",
+        id="nnx-init_optimizer-model-class",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

@@ -1,18 +1,22 @@
-"""``flax_escale.nnx.stack_layers``: an nnx.vmap stack's values, one layer at a time."""
+"""``flax_escale.nnx.stack_layers``: an nnx.vmap stack's values, one layer at a time.
+
+The stacks are compiled from the Llama example (slow); the mistakes are refused before anything is
+built.
+"""
 
 import importlib
 import sys
 
+import flax.linen as linen
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 from support import EXAMPLES
+from support.mistakes import MISTAKE, T, _Up, case, raises_a_library_error
 
 import flax_escale as fe
 from flax_escale import nnx as fen
-
-pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,8 @@ def _vmapped(llama):
     return Vmapped
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_values_specs_and_metadata_equal_an_nnx_vmap_stack(llama):
     mesh = fe.create_mesh((1, 4, 1, 2, 1))
     config = llama.Config()
@@ -57,6 +63,8 @@ def test_values_specs_and_metadata_equal_an_nnx_vmap_stack(llama):
     assert kernel.sharding.spec[0] is None  # the stacked axis stays whole
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 def test_the_cpu_init_draws_one_layer_at_a_time(llama):
     # Memory from the compiled program (nothing runs): 16 layers of 512 x 2048 on 8 devices.
     config = llama.Config(
@@ -71,6 +79,8 @@ def test_the_cpu_init_draws_one_layer_at_a_time(llama):
     assert vmapped.temp_size_in_bytes > 1.5 * outputs
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
@@ -114,3 +124,48 @@ def test_bad_arguments_are_refused(args, error, match):
         rngs = nnx.Rngs(0)
     with pytest.raises(error, match=match):
         fen.stack_layers(make, count, rngs)
+
+
+# Mistakes users make with stack_layers, refused before a layer is built. What a case asserts,
+# and the rest of the table: support/mistakes.py.
+CASES = [
+    case(
+        lambda: fen.stack_layers(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "an instance of Linear, a layer already built",
+        r"pass its class, Linear, if it takes only rngs, or e\.g\. lambda rngs: "
+        r"Linear\(\.\.\., rngs=rngs\)",
+        id="nnx-stack_layers-module-instance",
+    ),
+    case(
+        lambda: fen.stack_layers(linen.Dense(4), 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "the flax.linen module Dense",
+        r"stack NNX modules .*flax\.nnx\.bridge\.ToNNX",
+        id="nnx-stack_layers-linen-module",
+    ),
+    case(
+        lambda: fen.stack_layers(_Up, 2, 0),
+        T,
+        "rngs",
+        "int 0",
+        r"pass e\.g\. nnx\.Rngs\(0\)",
+        id="nnx-stack_layers-rngs-seed",
+    ),
+    # --- a layer class given to stack_layers, whose metaclass hides its parameters ---------
+    case(
+        lambda: fen.stack_layers(nnx.Linear, 2, nnx.Rngs(0)),
+        T,
+        "make",
+        "Linear(in_features, out_features",
+        r"lambda rngs: Block\(config, rngs=rngs\)",
+        id="nnx-stack_layers-layer-class",
+    ),
+]
+
+
+@pytest.mark.parametrize(MISTAKE, CASES)
+def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
+    raises_a_library_error(fn, exc, argument, shown, hint)

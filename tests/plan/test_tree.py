@@ -6,8 +6,13 @@ a tree that needs corrections), ``fe.logical_to_mesh_sharding(tree, mesh)`` give
 leaf, the specs of the plan the entry points make (``fe.plan_sharding`` of the model, or the
 plan of the same tree): the same defaults, large arrays completed with idle mesh axes,
 optimizer state following its parameter, corrections warned about and strict errors naming
-the path. Specs, which carry no shapes, are never completed.
+the path. Specs, which carry no shapes, are never completed. It agrees with Flax's own
+``nn.logical_to_mesh_sharding`` where Flax's applies, and its fast way (each distinct annotation
+read once and resolved once) gives what ``build_plan`` gives on any tree.
 """
+
+import warnings
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,8 +20,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from flax.core import FrozenDict
 from flax.linen import partitioning
 from flax.training.train_state import TrainState
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from support.mistakes import MISTAKE, T, case, mesh5, raises_a_library_error
 
@@ -195,6 +203,184 @@ def test_specs_are_never_completed(mesh):
 def test_use_idle_axes_is_checked(mesh):
     with pytest.raises(fe.EscaleTypeError, match="use_idle_axes must be True or False"):
         fe.logical_to_mesh_sharding(_linen_abstract(LinenWide()), mesh, use_idle_axes="no")
+
+
+# Flax's own function, on specs and on annotated variables.
+
+RULES = [("batch", "fsdp"), ("hidden_state", "tp"), ("mlp_intermediate", "tp")]
+
+
+def test_logical_to_mesh_sharding_agrees_with_flax(mesh):
+    specs = {"w": P("batch", "hidden_state"), "b": P("mlp_intermediate"), "s": None}
+    ours = fe.logical_to_mesh_sharding(specs, mesh, RULES)
+    flax = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    assert jax.tree.map(lambda s: s.spec, ours) == jax.tree.map(lambda s: s.spec, flax)
+
+
+def test_logical_to_mesh_sharding_reads_annotated_variables(mesh):
+    # 6 is not divisible by tp=2's partner fsdp=4: shape-aware where Flax's cannot be.
+    model = nn.Dense(
+        16,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed", "hidden_state")),
+    )
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 6)))
+    with pytest.warns(fe.ShardingCorrectionWarning, match=r"logical name 'embed' has no rule"):
+        shardings = fe.logical_to_mesh_sharding(abstract, mesh, RULES)
+    assert shardings["params"]["kernel"].spec == P(None, "tp")
+    assert shardings["params"]["bias"].spec == P(None)
+
+
+# The fast way (each distinct annotation read once, each distinct one resolved once) against
+# the plain one, build_plan, on any tree: warnings and errors included. Nothing here times
+# anything: the speed is measured by bench/b03_resolution_speed.py.
+
+NAMES = [
+    ("hidden_state", "mlp_intermediate"),
+    ("mlp_intermediate", "hidden_state"),
+    ("hidden_state", "head", "attention_dim"),
+    ("vocab", "hidden_state"),
+    ("hidden_state",),
+    ("expert", "hidden_state", "mlp_intermediate"),
+    ("layers", "hidden_state"),
+    ("batch", None),
+]
+
+
+BAD_NAMES = [("hidden_state", "no_such_name"), ("hidden_state", "hidden_state")]
+
+
+MESH_NAMES = [("fsdp", "tp"), (("fsdp", "sp"), None), ("tp",), ("fsdp", None), ("nope", None)]
+MESH_NAMES += [("tp", "tp")]
+
+
+def leaf_st(good: bool):
+    """A leaf that resolves as it is (``good``: sizes the mesh divides), or any leaf."""
+    sizes = st.sampled_from([8, 16, 32] if good else [1, 2, 3, 4, 6, 8])
+
+    def logical(names):
+        rank = st.integers(len(names), len(names) + 1)
+        shape = rank.flatmap(lambda n: st.lists(sizes, min_size=n, max_size=n))
+        return shape.map(
+            lambda s: nn.LogicallyPartitioned(jax.ShapeDtypeStruct(tuple(s), jnp.float32), names)
+        )
+
+    def meshed(names):
+        shape = st.lists(sizes, min_size=len(names), max_size=len(names))
+        return shape.map(
+            lambda s: nn.Partitioned(jax.ShapeDtypeStruct(tuple(s), jnp.float32), names)
+        )
+
+    plain = st.lists(sizes, max_size=3).map(lambda s: jax.ShapeDtypeStruct(tuple(s), jnp.float32))
+    return st.one_of(
+        st.sampled_from(NAMES if good else NAMES + BAD_NAMES).flatmap(logical),
+        st.sampled_from(MESH_NAMES[:4] if good else MESH_NAMES).flatmap(meshed),
+        plain,
+    )
+
+
+def tree_st(good: bool):
+    return st.recursive(
+        leaf_st(good),
+        lambda children: (
+            st.dictionaries(st.sampled_from("abcdefg"), children, min_size=1, max_size=4)
+            | st.lists(children, min_size=1, max_size=3)
+            | st.lists(children, min_size=1, max_size=3).map(tuple)
+        ),
+        max_leaves=10,
+    ).map(lambda t: {"params": t})
+
+
+def general(tree, mesh, rules, strict=False):
+    treedef, items = annotated_leaves(tree)
+    return build_plan(treedef, items, mesh, rules=rules, strict=strict).shardings()
+
+
+def run(fn, *args, **kwargs) -> tuple[Any, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as error:  # the same error either way
+            result = f"{type(error).__name__}: {error}"
+    return result, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def same_shardings(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    left, right = jax.tree.leaves(a), jax.tree.leaves(b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.mesh == y.mesh and x.spec == y.spec for x, y in zip(left, right, strict=True)
+    )
+
+
+def box(shape, names, **kwargs):
+    return nn.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, jnp.float32), names, **kwargs)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=tree_st(good=True) | tree_st(good=False), strict=st.booleans())
+def test_plain_trees_give_what_build_plan_gives(mesh, tree, strict):
+    rules = fe.PartitionAxis().logical_axis_rules()
+    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh, rules, strict=strict)
+    theirs, their_warnings = run(general, tree, mesh, rules, strict=strict)
+    assert same_shardings(ours, theirs)
+    assert our_warnings == their_warnings
+
+
+def test_eval_shape_of_a_linen_model_gives_what_build_plan_gives(mesh):
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal()
+            up = nn.with_logical_partitioning(init, ("hidden_state", "mlp_intermediate"))
+            down = nn.with_logical_partitioning(init, ("mlp_intermediate", "hidden_state"))
+            scale = nn.with_logical_partitioning(nn.initializers.ones, ("hidden_state",))
+            h = nn.Dense(64, kernel_init=up, name="up")(x)
+            y = nn.Dense(16, kernel_init=down, use_bias=False, name="down")(h)
+            return y * self.param("scale", scale, (16,))
+
+    abstract = jax.eval_shape(Block().init, jax.random.key(0), jnp.ones((2, 16)))
+    shardings = fe.logical_to_mesh_sharding(abstract, mesh)
+    assert same_shardings(shardings, general(abstract, mesh, None))
+    assert shardings["params"]["up"]["kernel"].spec == P(("fsdp", "sp"), "tp")
+    assert shardings["params"]["up"]["bias"].spec == P(None)  # unannotated: replicated
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate"))}, "opt_state": {}},
+        {"params": {"w": box((8, 4), ("embed", "mlp"), rules=(("embed", "tp"), ("mlp", None)))}},
+        {"params": FrozenDict({"w": box((8, 4), ("hidden_state", "mlp_intermediate"))})},
+        {"params": {0: box((8, 4), ("hidden_state", "mlp_intermediate"))}},
+        {
+            "params": {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)},
+            "params_axes": {"w_axes": partitioning.AxisMetadata(("hidden_state", "tp"))},
+        },
+        {"params": {"w": box((8, 4), ("hidden_state", "mlp_intermediate")), "step": 3}},
+    ],
+    ids=["opt_state", "own_rules", "frozen_dict", "int_key", "params_axes", "python_int"],
+)
+def test_other_trees_give_what_build_plan_gives(mesh, tree):
+    ours, our_warnings = run(fe.logical_to_mesh_sharding, tree, mesh)
+    theirs, their_warnings = run(general, tree, mesh, None)
+    assert same_shardings(ours, theirs)
+    assert our_warnings == their_warnings
+
+
+def test_spec_trees_resolve_each_spec_once_and_still_warn(mesh):
+    specs = {
+        f"layer_{i}": {"w": P("hidden_state", "mlp_intermediate"), "b": P("no_rule")}
+        for i in range(3)
+    }
+    with pytest.warns(fe.ShardingCorrectionWarning, match="no_rule"):
+        shardings = fe.logical_to_mesh_sharding(specs, mesh)
+    for i in range(3):
+        assert shardings[f"layer_{i}"]["w"].spec == P(("fsdp", "sp"), "tp")
+        assert shardings[f"layer_{i}"]["b"].spec == P(None)
+    with pytest.raises(fe.ShardingResolutionError, match="no_rule"):
+        fe.logical_to_mesh_sharding(specs, mesh, strict=True)
 
 
 # Mistakes with logical_to_mesh_sharding, one case each (what a case asserts: support/mistakes.py).

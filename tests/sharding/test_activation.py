@@ -207,30 +207,6 @@ def test_only_rule_not_dividing_warns_instead_of_dropping_in_silence(devices):
         constrain(jnp.ones(6), ("batch",), mesh=mesh, strict=True)
 
 
-def test_logical_to_mesh_sharding_agrees_with_flax(mesh):
-    from flax_escale import logical_to_mesh_sharding
-
-    specs = {"w": P("batch", "hidden_state"), "b": P("mlp_intermediate"), "s": None}
-    ours = logical_to_mesh_sharding(specs, mesh, RULES)
-    flax = nn.logical_to_mesh_sharding(specs, mesh, RULES)
-    assert jax.tree.map(lambda s: s.spec, ours) == jax.tree.map(lambda s: s.spec, flax)
-
-
-def test_logical_to_mesh_sharding_reads_annotated_variables(mesh):
-    from flax_escale import logical_to_mesh_sharding
-
-    # 6 is not divisible by tp=2's partner fsdp=4: shape-aware where Flax's cannot be.
-    model = nn.Dense(
-        16,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed", "hidden_state")),
-    )
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 6)))
-    with pytest.warns(ShardingCorrectionWarning, match=r"logical name 'embed' has no rule"):
-        shardings = logical_to_mesh_sharding(abstract, mesh, RULES)
-    assert shardings["params"]["kernel"].spec == P(None, "tp")
-    assert shardings["params"]["bias"].spec == P(None)
-
-
 # --- mistakes: each raises a library error naming the argument and showing the value ----
 
 CASES = [

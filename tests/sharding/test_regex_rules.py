@@ -1,6 +1,7 @@
 """Tests of ``specs_from_regex`` (``flax_escale/sharding/_regex_rules.py``): the first rule whose
-regex matches a parameter's path gives its spec; the mistakes it refuses; with the pattern
-strings of ``eformer``'s ``create_pattern_based_partition_spec``, which these rules compile.
+regex matches a parameter's path gives its spec; the mistakes it refuses. The pattern strings
+that ``eformer``'s ``create_pattern_based_partition_spec`` compiles into these rules:
+``tests/eformer/test_pattern.py``.
 """
 
 import flax.linen as nn
@@ -146,65 +147,6 @@ def test_specs_drive_a_sharded_init():
     variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
     assert variables["params"]["kernel"].sharding.spec == P("fsdp", "tp")
     assert variables["params"]["bias"].sharding.spec == P("tp")
-
-
-def test_pattern_strings():
-    spec_of = fe.eformer.create_pattern_based_partition_spec(
-        "attention|mlp->fsdp.tp, embed->tp.None"
-    )
-    assert spec_of("layers/0/attention/q", np.zeros((4, 4))) == P("fsdp", "tp")
-    assert spec_of("layers/0/mlp/wi", np.zeros((4, 4))) == P("fsdp", "tp")
-    assert spec_of("embed/table", np.zeros((8, 4))) == P("tp", None)
-    assert spec_of("embed/bias", np.zeros(4)) == P("tp")  # the None past the rank is cut
-    assert spec_of("mlp/scalar", np.float32(1.0)) == P()
-    assert spec_of("mlp/no_shape", 3) == P("fsdp", "tp")
-    assert spec_of("norm", np.zeros(4)) == P()
-    with_default = fe.eformer.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp"))
-    assert with_default("other", np.zeros(4)) == P("fsdp")
-
-
-def test_pattern_spec_that_drops_mesh_axes_past_the_rank_warns_or_raises():
-    spec_of = fe.eformer.create_pattern_based_partition_spec("mlp->fsdp.tp")
-    message = r"(?s)parameter 'mlp/bias': .*dimension 1: the spec has 2 entries .*dropped \('tp',\)"
-    with pytest.warns(fe.ShardingCorrectionWarning, match=message):
-        assert spec_of("mlp/bias", np.zeros(4)) == P("fsdp")
-    strict = fe.eformer.create_pattern_based_partition_spec("mlp->fsdp.tp", strict=True)
-    with pytest.raises(fe.ShardingResolutionError, match=message):
-        strict("mlp/bias", np.zeros(4))
-    assert strict("mlp/kernel", np.zeros((4, 4))) == P("fsdp", "tp")
-    default = fe.eformer.create_pattern_based_partition_spec("x->tp", default_spec=P("fsdp", "tp"))
-    with pytest.warns(fe.ShardingCorrectionWarning, match=r"(?s)'other'.*dropped \('tp',\)"):
-        assert default("other", np.zeros(4)) == P("fsdp")
-
-
-def test_pattern_string_errors():
-    with pytest.raises(
-        fe.sharding.PartitionRuleError,
-        match=r"the rule 'attention' \(as cut at the ',' separators\) must be",
-    ):
-        fe.eformer.create_pattern_based_partition_spec("attention")
-    with pytest.raises(fe.sharding.PartitionRuleError, match="empty regex"):
-        fe.eformer.create_pattern_based_partition_spec("a||b->tp")
-    with pytest.raises(
-        fe.sharding.PartitionRuleError,
-        match=r"rule 'mlp->fsdp\.fsdp' gives P\('fsdp', 'fsdp'\), which cannot apply: in "
-        r"dimension 1, mesh axis 'fsdp' already shards another dimension\. Name each mesh axis",
-    ):
-        fe.eformer.create_pattern_based_partition_spec("attention->tp,mlp->fsdp.fsdp")
-    with pytest.raises(fe.sharding.PartitionRuleError, match=r"default_spec gives P\('tp', 'tp'\)"):
-        fe.eformer.create_pattern_based_partition_spec("a->tp", default_spec=P("tp", "tp"))
-    mesh = fe.create_mesh((2, 4), ("dp", "tp"))
-    with pytest.raises(
-        fe.sharding.PartitionRuleError,
-        match=r"rule 'a->fsdp' .*mesh axis 'fsdp' is not in the mesh\. Use the axes of the mesh "
-        r"\{'dp': 2, 'tp': 4\}",
-    ):
-        fe.eformer.create_pattern_based_partition_spec("a->fsdp", mesh=mesh)
-    with (
-        jax.set_mesh(mesh),
-        pytest.raises(fe.sharding.PartitionRuleError, match="mesh axis 'sp' is not"),
-    ):
-        fe.eformer.create_pattern_based_partition_spec("a->sp")
 
 
 def test_two_arrays_of_one_path_are_refused_rather_than_matched_alike():

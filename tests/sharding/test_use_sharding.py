@@ -520,3 +520,20 @@ CASES = [
 @pytest.mark.parametrize(MISTAKE, CASES)
 def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
     raises_a_library_error(fn, exc, argument, shown, hint)
+
+
+def test_constraints_inside_use_sharding_are_told_about_absent_axes(devices):
+    mesh = fe.create_mesh((2, 4), ("dp", "tp"))
+    x = jnp.ones((8, 8))
+    # Given explicitly, the rule naming fsdp (absent) is corrected with a warning...
+    with pytest.warns(fe.ShardingCorrectionWarning, match=r"mesh axis 'fsdp' is not in the mesh"):
+        direct = fe.constrain(x, ("batch", "hidden_state"), mesh=mesh)
+    # ...and inside use_sharding the same spec comes with the warning on entering.
+    context = fe.use_sharding(mesh)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=r"name mesh axes \['ep', 'fsdp', 'sp'\]"):
+        context.__enter__()
+    try:
+        inside = fe.constrain(x, ("batch", "hidden_state"))
+    finally:
+        context.__exit__(None, None, None)
+    assert direct.sharding.spec == inside.sharding.spec == P(None, "tp")

@@ -1,4 +1,6 @@
-"""Collective bytes per run of a compiled program, loop trips included."""
+"""The HLO reader (``flax_escale/sizing/_hlo/_reader.py``): collective bytes and matmul flops
+per run of a compiled program, loop trips included; ragged all-to-alls counted by what they send.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -208,3 +210,32 @@ def test_dot_flops_of_a_gradient_match_scanned_or_unrolled():
     assert scanned.dot_flops == 3 * LAYERS * ONE_LAYER_FLOPS
     assert scanned.dot_flops - unrolled.dot_flops in (0, ONE_LAYER_FLOPS)
     assert scanned.dot_flops_once == 3 * ONE_LAYER_FLOPS
+
+
+# --- ragged-all-to-all: the smaller of operand and result, on handwritten HLO --------------------
+
+RAGGED = """
+HloModule m, num_partitions=4
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %buffer = f32[32,16]{1,0} broadcast(%zero), dimensions={}
+  %sent = f32[32,16]{1,0} ragged-all-to-all(%a, %buffer, %o, %s, %ro, %rs), channel_id=1, replica_groups={{0,1,2,3}}
+  %back = f32[8,16]{1,0} ragged-all-to-all(%sent, %a, %o, %s, %ro, %rs), channel_id=2, replica_groups={{0,1,2,3}}
+  %elsewhere = bf16[8,8]{1,0} ragged-all-to-all(%absent, %buffer, %o, %s, %ro, %rs), channel_id=3, replica_groups={{0,1,2,3}}
+  %plain = f32[4,16]{1,0} all-to-all(%small), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}
+  %small = f32[2,16]{1,0} parameter(1)
+}"""  # noqa: E501
+
+
+def test_a_ragged_all_to_all_counts_the_smaller_of_its_operand_and_result():
+    counted = collective_bytes(RAGGED)
+    # %sent: sends its 8 x 16 operand into a 32 x 16 buffer: 512 bytes, not 2048.
+    # %back: sends 32 x 16 back into 8 x 16: 512 bytes, not 2048.
+    # %elsewhere: its operand is not in the computation, so its result counts: 8 x 8 bf16.
+    assert counted["ragged-all-to-all"] == 512 + 512 + 128
+    # Other collectives still count their results.
+    assert counted["all-to-all"] == 4 * 16 * 4
+    cost = program_costs(RAGGED).collectives["ragged-all-to-all"]
+    assert cost.count == 3
+    # Over 4 devices an all-to-all's bytes cross the wire (n - 1) / n of the time.
+    assert cost.wire_bytes == pytest.approx(1152 * 3 / 4)

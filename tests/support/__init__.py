@@ -4,6 +4,7 @@
 section), so every test module, in any directory, imports these as ``support``:
 
 - ``support.built_plans``: plans of hand-written trees of abstract arrays, through ``build_plan``;
+- ``support.checkpoints``: a small checkpointed tree, and restoring it, for the checkpoint tests;
 - ``support.compiles``: what JAX traces and compiles while a block runs;
 - ``support.distributed``: a snippet of Python run in several real JAX processes on loopback;
 - ``support.example_modules``: the scripts of ``examples/`` imported as modules;
@@ -13,6 +14,7 @@ section), so every test module, in any directory, imports these as ``support``:
   file of the module that raises each mistake's error;
 - ``support.mlp_plan``: a small Linen MLP and its plan (plan diffs, JSON, snapshots);
 - ``support.pictures``: models, plans and a console for the layout pictures' tests;
+- ``support.plain_reads``: the check that a model's code reads plain arrays, and a tied-head model;
 - ``support.real_models``: small rewrites of Flax's example models and what their tests share;
 - ``support.tiny_workloads``: a tiny Linen workload planned on 2 devices, for the planner's tests.
 """

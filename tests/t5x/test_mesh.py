@@ -1,24 +1,21 @@
-import itertools
-import math
+"""t5x's mesh builders (``flax_escale/t5x/_mesh.py``): ``global_mesh_defined``,
+``get_cpu_mesh``, ``get_gpu_mesh`` and ``default_mesh`` (t5x's default tiles, hybrid meshes);
+their mistakes.
+"""
+
 import warnings
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
-from support.fake_devices import FakeDevice, FakeTpu
-from support.mistakes import (
-    MISTAKE,
-    T,
-    case,
-    raises_a_library_error,
-)
+from support.fake_devices import V3_4X4, V4_2X2X4, HostDevice, hosts, tpu_slice
+from support.mistakes import MISTAKE, T, case, raises_a_library_error
+from support.t5x_meshes import assert_processes_contiguous, assert_t5x_mesh, ids_of, processes_of
 
 import flax_escale as fe
 from flax_escale import t5x
-from flax_escale.errors import EscaleTypeError, MeshError
+from flax_escale.errors import MeshError
 from flax_escale.t5x import (
-    bounds_from_last_device,
     default_mesh,
     get_coords,
     get_cpu_mesh,
@@ -26,93 +23,6 @@ from flax_escale.t5x import (
     get_mesh,
     global_mesh_defined,
 )
-from flax_escale.t5x._chunks import process_blocks
-
-
-def hosts(processes: int, per_process: int, *, id_stride: int | None = None) -> list[FakeDevice]:
-    stride = per_process if id_stride is None else id_stride
-    return [
-        FakeDevice(id=p * stride + i, process_index=p)
-        for p in range(processes)
-        for i in range(per_process)
-    ]
-
-
-def tpu_slice(
-    kind: str,
-    chips: tuple[int, int, int],
-    cores: int,
-    host: tuple[int, int, int],
-    *,
-    slice_index: int = 0,
-    first_process: int = 0,
-) -> list[FakeTpu]:
-    """A slice whose hosts each own a `host`-shaped block of chips, with all their cores."""
-    host_grid = tuple(c // h for c, h in zip(chips, host, strict=True))
-    found = []
-    for xyz in itertools.product(*map(range, chips)):
-        process = int(
-            np.ravel_multi_index(tuple(c // h for c, h in zip(xyz, host, strict=True)), host_grid)
-        )
-        found += [(first_process + process, xyz, core) for core in range(cores)]
-    found.sort(key=lambda entry: (entry[0], entry[1][::-1], entry[2]))
-    first_id = first_process * math.prod(host) * cores
-    return [
-        FakeTpu(first_id + i, p, xyz, core, device_kind=kind, slice_index=slice_index)
-        for i, (p, xyz, core) in enumerate(found)
-    ]
-
-
-V3_4X4 = tpu_slice("TPU v3", (4, 4, 1), 2, (2, 2, 1))  # 4 hosts of 2x2 chips, 2 cores each
-V4_2X2X4 = tpu_slice("TPU v4", (2, 2, 4), 1, (2, 2, 1))  # 4 hosts stacked along z
-
-
-def coords_of(mesh: Mesh) -> np.ndarray:
-    return np.vectorize(lambda d: get_coords(d), otypes=[object])(mesh.devices)
-
-
-def processes_of(mesh: Mesh) -> np.ndarray:
-    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
-
-
-def ids_of(mesh: Mesh) -> list[list[int]]:
-    return [[d.id for d in row] for row in mesh.devices]
-
-
-def assert_processes_contiguous(mesh: Mesh) -> None:
-    blocks = process_blocks(mesh.devices)
-    assert None not in blocks.values(), blocks
-
-
-def assert_t5x_mesh(mesh: Mesh, shape: tuple[int, ...], names=("data", "model")) -> None:
-    assert mesh.axis_names == names
-    assert mesh.devices.shape == shape
-    assert mesh.axis_types == (AxisType.Auto,) * len(names)
-
-
-# --- get_coords / bounds_from_last_device ----------------------------------------------------
-
-
-def test_get_coords_of_a_tpu_core_is_chip_position_and_core():
-    device = FakeTpu(id=9, process_index=1, coords=(1, 2, 3), core_on_chip=1)
-    assert get_coords(device) == (1, 2, 3, 1)
-
-
-def test_get_coords_elsewhere_is_process_and_position_in_it(devices):
-    assert get_coords(FakeDevice(id=6, process_index=1), local_device_count=4) == (1, 2)
-    assert get_coords(devices[5]) == (0, 5)  # defaults to jax.local_device_count()
-
-
-def test_bounds_from_last_device_of_a_tpu_slice():
-    last = FakeTpu(id=31, process_index=3, coords=(3, 3, 0), core_on_chip=1)
-    assert bounds_from_last_device(last) == (4, 4, 1, 2)
-
-
-def test_bounds_from_last_device_elsewhere_is_processes_by_local_devices(devices):
-    assert bounds_from_last_device(devices[-1]) == (1, 8)
-    last = FakeDevice(id=7, process_index=1)
-    assert bounds_from_last_device(last, process_count=2, local_device_count=4) == (2, 4)
-
 
 # --- global_mesh_defined ---------------------------------------------------------------------
 
@@ -176,6 +86,13 @@ def test_get_cpu_mesh_rejects_no_devices():
         get_cpu_mesh([])
 
 
+def test_get_cpu_mesh_takes_stand_ins_with_id_and_process():
+    devices = [HostDevice(id=i, process_index=i // 4) for i in range(8)]
+    mesh = get_cpu_mesh(devices)
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 # --- get_gpu_mesh ----------------------------------------------------------------------------
 
 
@@ -236,153 +153,6 @@ def test_get_gpu_mesh_rejects_a_bad_num_partitions(num_partitions):
 def test_get_gpu_mesh_rejects_uneven_processes():
     with pytest.raises(MeshError, match="unevenly over processes"):
         get_gpu_mesh(2, hosts(2, 4)[1:])
-
-
-# --- get_mesh: processes x local devices -----------------------------------------------------
-
-
-def test_get_mesh_on_the_simulated_devices():
-    mesh = get_mesh((1, 2))
-    assert_t5x_mesh(mesh, (4, 2))
-    assert ids_of(mesh) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert_t5x_mesh(get_mesh((1, 8)), (1, 8))
-    assert get_mesh((1, 4), backend="cpu") == get_mesh((1, 4), jax.devices("cpu"))
-
-
-def test_get_mesh_host_tiles():
-    devices = hosts(2, 4)
-    assert ids_of(get_mesh((1, 2), devices)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    # A tile across processes: one device of each, at the same position.
-    assert ids_of(get_mesh((2, 1), devices)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert ids_of(get_mesh((2, 2), devices)) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-
-
-def test_get_mesh_rejects_a_tile_that_does_not_divide_the_hosts():
-    with pytest.raises(
-        MeshError,
-        match=r"\(1, 3\) does not tile the hardware mesh \(1, 8\) \(processes, local devices\).*"
-        r"local devices=3 does not divide 8. Use one of \[1, 2, 4, 8\]",
-    ):
-        get_mesh((1, 3))
-
-
-# --- get_mesh: TPU ---------------------------------------------------------------------------
-
-
-def test_get_mesh_v3_core_pairs_are_tiled_by_host():
-    mesh = get_mesh((1, 1, 1, 2), V3_4X4)
-    assert_t5x_mesh(mesh, (16, 2))
-    for row in coords_of(mesh):
-        assert [c[:3] for c in row] == [row[0][:3]] * 2  # both cores of one chip
-        assert [c[3] for c in row] == [0, 1]
-    np.testing.assert_array_equal(processes_of(mesh)[:, 0], np.repeat([0, 1, 2, 3], 4))
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_without_tiling_by_host_refuses_scattered_processes():
-    with pytest.raises(
-        MeshError,
-        match=r"model_parallel_submesh \(1, 1, 1, 2\) on the hardware mesh \(4, 4, 1, 2\) "
-        r"\(x, y, z, core\): the devices of process\(es\) \[0, 1, 2, 3\] do not form one "
-        r"contiguous block .* Pass tile_by_host_if_needed=True",
-    ):
-        get_mesh((1, 1, 1, 2), V3_4X4, tile_by_host_if_needed=False)
-
-
-def test_get_mesh_v3_tile_of_two_chips():
-    mesh = get_mesh((2, 1, 1, 2), V3_4X4, tile_by_host_if_needed=False)
-    assert_t5x_mesh(mesh, (8, 4))
-    assert list(coords_of(mesh)[0]) == [(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1)]
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_tile_along_all_of_x_needs_no_full_chip():
-    # t5x asserts that such a tile uses every core; hosts stay contiguous without that.
-    mesh = get_mesh((4, 1, 1, 1), V3_4X4, tile_by_host_if_needed=False)
-    assert_t5x_mesh(mesh, (8, 4))
-    assert list(coords_of(mesh)[0]) == [(x, 0, 0, 0) for x in range(4)]
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_puts_z_before_y_for_a_tile_spanning_the_yz_plane():
-    mesh = get_mesh((1, 2, 4, 1), V4_2X2X4, tile_by_host_if_needed=False)
-    assert_t5x_mesh(mesh, (2, 8))
-    assert list(coords_of(mesh)[1]) == [(1, y, z, 0) for z in range(4) for y in range(2)]
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_puts_z_before_x_for_a_tile_spanning_the_xz_plane():
-    mesh = get_mesh((2, 1, 4, 1), V4_2X2X4, tile_by_host_if_needed=False)
-    assert_t5x_mesh(mesh, (2, 8))
-    assert list(coords_of(mesh)[1]) == [(x, 1, z, 0) for z in range(4) for x in range(2)]
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_on_a_box_inside_a_bigger_slice():
-    upper = [d for d in V4_2X2X4 if d.coords[2] >= 2]
-    mesh = get_mesh((1, 1, 2, 1), upper)
-    assert_t5x_mesh(mesh, (4, 2))
-    assert list(coords_of(mesh)[0]) == [(0, 0, 2, 0), (0, 0, 3, 0)]
-    assert_processes_contiguous(mesh)
-
-
-def test_get_mesh_rejects_a_submesh_of_the_wrong_rank():
-    with pytest.raises(
-        MeshError, match=r"\(1, 2\) must be 4 positive sizes \(x, y, z, core\), like the hardware"
-    ):
-        get_mesh((1, 2), V3_4X4)
-    with pytest.raises(MeshError, match="must be 4 positive sizes"):
-        get_mesh((1, 1, 0, 1), V3_4X4)
-
-
-def test_get_mesh_rejects_a_submesh_that_does_not_divide_the_slice():
-    with pytest.raises(MeshError, match=r"x=3 does not divide 4. Use one of \[1, 2, 4\] for x"):
-        get_mesh((3, 1, 1, 1), V3_4X4)
-
-
-def test_get_mesh_rejects_a_submesh_that_is_not_a_tuple():
-    with pytest.raises(EscaleTypeError, match="model_parallel_submesh must be a tuple of sizes"):
-        get_mesh(4, V3_4X4)
-
-
-def test_get_mesh_rejects_devices_with_a_hole():
-    with pytest.raises(
-        MeshError, match=r"the 31 TPU devices do not fill their \(x, y, z, core\) bounding box"
-    ):
-        get_mesh((1, 1, 1, 2), V3_4X4[:5] + V3_4X4[6:])
-
-
-def test_get_mesh_rejects_mixed_platforms():
-    with pytest.raises(MeshError, match="mix TPU devices"):
-        get_mesh((1, 1, 1, 1), [*V3_4X4, FakeDevice(id=99, process_index=0)])
-
-
-def test_get_mesh_rejects_local_devices_from_elsewhere():
-    with pytest.raises(MeshError, match="input_local_devices holds 2 device"):
-        get_mesh((1, 1, 1, 2), V3_4X4[:8], input_local_devices=V3_4X4[8:10])
-
-
-def test_get_mesh_rejects_hosts_that_do_not_divide_the_slice():
-    # Process 0 owns 3 of 4 chips along x.
-    devices = [FakeTpu(x, int(x == 3), (x, 0, 0), 0) for x in range(4)]
-    with pytest.raises(
-        MeshError, match=r"the local devices span \(3, 1, 1, 1\) .* does not divide"
-    ):
-        get_mesh((1, 1, 1, 1), devices)
-
-
-def test_get_mesh_tiling_by_host_needs_factors_or_multiples_of_the_host():
-    devices = tpu_slice("TPU v4", (6, 1, 1), 1, (2, 1, 1))
-    with pytest.raises(
-        MeshError, match=r"x=3 is neither for 2. Choose x among \[1, 2\] or the multiples of 2"
-    ):
-        get_mesh((3, 1, 1, 1), devices)
-
-
-def test_get_mesh_rejects_hosts_that_are_not_blocks_of_the_slice():
-    devices = [FakeTpu(x, [0, 1, 1, 0][x], (x, 0, 0), 0) for x in range(4)]
-    with pytest.raises(MeshError, match=r"process\(es\) \[0\] .* even when tiled by host"):
-        get_mesh((1, 1, 1, 1), devices)
 
 
 # --- default_mesh ----------------------------------------------------------------------------

@@ -420,6 +420,106 @@ def test_the_partitioner_puts_idle_axes_to_use_as_init_sharded_does():
         Partitioner(mesh=mesh, use_idle_axes="no")
 
 
+# --- get_mesh_axes: None for leaves without axis names, as in t5x ---------------------------
+
+# t5x's ModelBasedPartitionerTest: its rules and parameters (here as Flax boxes).
+T5X_RULES = (("batch", "data"), ("embed", None), ("vocab", "model"), ("mlp", "model"))
+LOGITS = P("model", None)
+KERNEL = P(None, "model")
+
+
+class T5xParams(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        def param(name, shape, names):
+            init = nn.with_logical_partitioning(nn.initializers.ones, names)
+            return self.param(name, init, shape)
+
+        logits = param("logits_dense", (16, 16), ("vocab", "embed"))
+        kernel = param("kernel", (32, 16), ("embed", "mlp"))
+        return x @ logits + kernel.sum()
+
+
+def model_based_partitioner():
+    return Partitioner(mesh=fe.create_mesh((2, 4), ("data", "model")), logical_axis_rules=T5X_RULES)
+
+
+def t5x_state(tx):
+    model = T5xParams()
+
+    def init(key):
+        params = model.init(key, jnp.ones((2, 16)))["params"]
+        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    return init
+
+
+@pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_get_mesh_axes_of_an_adafactor_state(factored, momentum):
+    tx = optax.adafactor(0.1, min_dim_size_to_factor=8, factored=factored, momentum=momentum)
+    axes = model_based_partitioner().get_mesh_axes(jax.eval_shape(t5x_state(tx), jax.random.key(0)))
+    assert axes.step is None
+    assert axes.params == {"logits_dense": LOGITS, "kernel": KERNEL}
+    stats = axes.opt_state[0]
+    assert stats.count is None
+    if factored:
+        # The (1,) placeholders are None, as t5x gives v of a factored parameter.
+        assert stats.v == {"logits_dense": None, "kernel": None}
+        # t5x gives the factored statistics None; the library's follow their parameter.
+        assert stats.v_row == {"logits_dense": P("model"), "kernel": P("model")}
+        assert stats.v_col == {"logits_dense": P(None), "kernel": P(None)}
+    else:
+        assert stats.v == {"logits_dense": LOGITS, "kernel": KERNEL}
+        assert stats.v_row == {"logits_dense": None, "kernel": None}
+        assert stats.v_col == {"logits_dense": None, "kernel": None}
+    averages = [s for s in axes.opt_state if isinstance(s, optax.EmaState)]
+    if momentum:
+        # t5x's rule for optax's EmaState: no axes for the count, the parameters' for ema.
+        (average,) = averages
+        assert average.count is None
+        assert average.ema == {"logits_dense": LOGITS, "kernel": KERNEL}
+    else:
+        assert averages == []
+
+
+def test_names_that_all_stay_unsharded_give_a_spec_not_none():
+    # t5x resolves any leaf with logical axes, even when every name maps to None.
+    abstract = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    tree = {"w": nn.LogicallyPartitioned(abstract, ("embed", None))}
+    assert model_based_partitioner().get_mesh_axes(tree) == {"w": P(None, None)}
+
+
+def test_an_unnamed_leaf_the_plan_shards_keeps_its_spec():
+    # 2 MiB without names: the model axis, which w's names use, is idle on it, and the plan
+    # puts it to use (the library's default); None would replicate it. Without idle axes it
+    # stays whole and is None, as in t5x.
+    w = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((16, 16), jnp.float32), ("embed", "mlp"))
+    tree = {"big": jax.ShapeDtypeStruct((1024, 512), jnp.float32), "w": w}
+    mesh = fe.create_mesh((2, 4), ("data", "model"))
+    assert Partitioner(mesh=mesh, logical_axis_rules=T5X_RULES).get_mesh_axes(tree) == {
+        "big": P("model", None),
+        "w": KERNEL,
+    }
+    idle = Partitioner(mesh=mesh, logical_axis_rules=T5X_RULES, use_idle_axes=False)
+    assert idle.get_mesh_axes(tree) == {"big": None, "w": KERNEL}
+
+
+def test_none_mesh_axes_are_replicated_where_the_partitioner_uses_them():
+    partitioner = model_based_partitioner()
+    init = t5x_state(optax.adafactor(0.1, min_dim_size_to_factor=8))
+    axes = partitioner.get_mesh_axes(jax.eval_shape(init, jax.random.key(0)))
+    replicated = NamedSharding(partitioner.mesh, P())
+    state = partitioner.partition(init, None, axes)(jax.random.key(0))
+    host = jax.tree.map(np.asarray, nn.unbox(jax.jit(init)(jax.random.key(0))))
+    moved = partitioner.move_params_to_devices(host, axes)
+    for placed in (nn.unbox(state), moved):
+        for leaf in (placed.step, placed.opt_state[0].count, placed.opt_state[0].v["kernel"]):
+            assert leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
+        kernel = placed.params["kernel"]
+        assert kernel.sharding.is_equivalent_to(NamedSharding(partitioner.mesh, KERNEL), 2)
+
+
 CASES = [
     case(
         lambda: t5x.Partitioner(num_partitions="2"),
@@ -533,3 +633,15 @@ CASES = [
 @pytest.mark.parametrize(MISTAKE, CASES)
 def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
     raises_a_library_error(fn, exc, argument, shown, hint)
+
+
+def test_partitioner_strict_raises_on_what_does_not_divide(devices):
+    fsdp8 = fe.create_mesh((1, 8, 1, 1, 1))
+    # (6, 12) on fsdp=8: hidden_state's fallback (fsdp, sp) divides neither 6 nor 12, and tp=1.
+    kernel = jax.ShapeDtypeStruct((6, 12), jnp.float32)
+    state = {"w": nn.LogicallyPartitioned(kernel, ("hidden_state", "mlp_intermediate"))}
+    partitioner = Partitioner(mesh=fsdp8)
+    with pytest.raises(fe.ShardingResolutionError, match=r"parameter 'w'.*\(6, 12\)"):
+        partitioner.get_mesh_axes(state, strict=True)
+    with pytest.warns(fe.ShardingCorrectionWarning, match=r"parameter 'w'"):
+        assert partitioner.get_mesh_axes(state) == {"w": P(None, None)}

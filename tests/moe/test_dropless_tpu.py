@@ -1,9 +1,11 @@
-"""The dropless exchange with ``ragged_all_to_all``, compiled by the TPU compiler, and its bytes.
+"""The dropless exchange (``flax_escale/moe/_dropless.py``) with ``ragged_all_to_all``, compiled
+by the TPU compiler, and its bytes.
 
 XLA:CPU cannot compile a ``ragged-all-to-all``; the TPU compiler (``libtpu``, which the test
 environment installs) compiles it for a slice described by ``jax.experimental.topologies``, and
 nothing runs. Its buffers are sized for the worst case (every row to one peer), so the HLO
-reader counts the smaller of what each one sends and receives: the rows a device holds.
+reader counts the smaller of what each one sends and receives: the rows a device holds (that
+rule on handwritten HLO: ``tests/sizing/test_hlo_reader.py``).
 """
 
 import importlib.util
@@ -106,32 +108,3 @@ def test_ragged_exchange_moves_each_devices_rows_forward_and_backward(dtype, hid
     # The exchange is ragged only: the padded all-to-all of the tokens is not there (what
     # all-to-alls remain move the int32 counts and offsets).
     assert collective_bytes(compiled).get("all-to-all", 0) < rows * hidden * itemsize
-
-
-# --- the reader's rule, on handwritten HLO ------------------------------------------------------
-
-HLO = """
-HloModule m, num_partitions=4
-ENTRY %main (a: f32[8,16]) -> f32[8,16] {
-  %a = f32[8,16]{1,0} parameter(0)
-  %buffer = f32[32,16]{1,0} broadcast(%zero), dimensions={}
-  %sent = f32[32,16]{1,0} ragged-all-to-all(%a, %buffer, %o, %s, %ro, %rs), channel_id=1, replica_groups={{0,1,2,3}}
-  %back = f32[8,16]{1,0} ragged-all-to-all(%sent, %a, %o, %s, %ro, %rs), channel_id=2, replica_groups={{0,1,2,3}}
-  %elsewhere = bf16[8,8]{1,0} ragged-all-to-all(%absent, %buffer, %o, %s, %ro, %rs), channel_id=3, replica_groups={{0,1,2,3}}
-  %plain = f32[4,16]{1,0} all-to-all(%small), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}
-  %small = f32[2,16]{1,0} parameter(1)
-}"""  # noqa: E501
-
-
-def test_a_ragged_all_to_all_counts_the_smaller_of_its_operand_and_result():
-    counted = collective_bytes(HLO)
-    # %sent: sends its 8 x 16 operand into a 32 x 16 buffer: 512 bytes, not 2048.
-    # %back: sends 32 x 16 back into 8 x 16: 512 bytes, not 2048.
-    # %elsewhere: its operand is not in the computation, so its result counts: 8 x 8 bf16.
-    assert counted["ragged-all-to-all"] == 512 + 512 + 128
-    # Other collectives still count their results.
-    assert counted["all-to-all"] == 4 * 16 * 4
-    cost = program_costs(HLO).collectives["ragged-all-to-all"]
-    assert cost.count == 3
-    # Over 4 devices an all-to-all's bytes cross the wire (n - 1) / n of the time.
-    assert cost.wire_bytes == pytest.approx(1152 * 3 / 4)

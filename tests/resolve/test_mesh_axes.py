@@ -1,4 +1,5 @@
-"""``fit_mesh_axes`` (``flax_escale/resolve/_fit.py``): mesh axes fitted to a shape and a mesh."""
+"""``fit_mesh_axes`` (``flax_escale/resolve/_mesh_axes.py``): mesh axes fitted to a shape and a
+mesh."""
 
 import re
 

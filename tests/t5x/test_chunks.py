@@ -1,3 +1,6 @@
+"""``LocalChunker`` (``flax_escale/t5x/_chunks.py``): the chunk of each array a process holds, its
+shard and replica ids, and its mistakes."""
+
 import math
 from collections import defaultdict
 

@@ -1,3 +1,6 @@
+"""``fit_spec`` (``flax_escale/resolve/_fit.py``): a spec fitted to a shape and a mesh, and what
+had to change."""
+
 import pytest
 from jax.sharding import PartitionSpec as P
 
