@@ -4,15 +4,12 @@ The stacks are compiled from the Llama example (slow); the mistakes are refused 
 built.
 """
 
-import importlib
-import sys
-
 import flax.linen as linen
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support import EXAMPLES
+from support.example_modules import load
 from support.mistakes import MISTAKE, T, _Up, case, raises_a_library_error
 
 import flax_escale as fe
@@ -21,11 +18,7 @@ from flax_escale import nnx as fen
 
 @pytest.fixture(scope="module")
 def llama():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("nnx_llama")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load("nnx_llama")
 
 
 def _vmapped(llama):

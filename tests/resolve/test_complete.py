@@ -1,10 +1,8 @@
 """Idle mesh axes put to use on large parameters (DESIGN decision 9): ``complete_spec``."""
 
 import functools
-import importlib
 import itertools
 import math
-import sys
 import warnings
 
 import jax
@@ -14,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
-from support import EXAMPLES, MESHES
+from support import MESHES
+from support.example_modules import load
 
 import flax_escale as fe
 from flax_escale._specs import mesh_axes_of
@@ -127,11 +126,7 @@ WIDTHS = {
 
 @pytest.fixture(scope="module")
 def examples():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("linen_gpt"), importlib.import_module("nnx_llama")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    return load("linen_gpt"), load("nnx_llama")
 
 
 def _model(examples, name):
