@@ -6,6 +6,7 @@ orbax that cross-references link out to are files in ``docs/_inventories``.
 """
 
 import sys
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -21,7 +22,13 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
+    # Source links: the highlighted source of every documented module, built from the
+    # checkout (no network).
+    "sphinx.ext.viewcode",
+    "sphinx_copybutton",
     "api_pages",
+    "public_names",
+    "fields",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -31,7 +38,11 @@ myst_enable_extensions = ["colon_fence"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"show-inheritance": True}
+# Types join the parameters a docstring describes: a dataclass's fields, described as
+# attributes, are not listed a second time as its parameters.
+autodoc_typehints_description_target = "documented_params"
+# A type reads as its name (`Mesh`, `ShardingPlan`); its link and tooltip give the full path.
+python_use_unqualified_type_names = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 # "Attributes:" sections become fields: autodoc's :members: describes the attributes themselves.
@@ -85,15 +96,39 @@ nitpick_ignore = [
     ("py:class", "jax._src.mesh.AxisType"),
     ("py:class", "flax.linen.spmd.RulesFallback"),
 ]
-nitpick_ignore_regex = [
-    # Our unexported classes (a private module's): bases shown by show-inheritance, the types
-    # in some hints, and TypeVars. Only the public namespaces have pages.
-    ("py:class", r"flax_escale(\.\w+)*\._\w+\.\w+"),
-]
+# (Our own private paths are resolved to their public names by _ext/public_names.py.)
 
-html_theme = "alabaster"
+# The repository the site links to: pyproject's Homepage, stated once.
+_PYPROJECT = tomllib.loads((HERE.parent / "pyproject.toml").read_text())
+REPOSITORY = _PYPROJECT["project"]["urls"]["Homepage"]
+# Furo: light and dark modes, the page's table of contents on the right, a link to each
+# page's source in the repository; its fonts and scripts ship with it (offline).
+html_theme = "furo"
 html_title = "flax_escale"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["wide_code.css"]
+html_theme_options = {
+    "source_repository": f"{REPOSITORY}/",
+    "source_branch": "main",
+    "source_directory": "docs/",
+    "top_of_page_buttons": ["view"],
+}
+# The repository link sits under the search box (_templates/sidebar/repository.html).
+templates_path = ["_templates"]
+html_context = {"repository": REPOSITORY}
+html_sidebars = {
+    "**": [
+        "sidebar/brand.html",
+        "sidebar/search.html",
+        "sidebar/repository.html",
+        "sidebar/scroll-start.html",
+        "sidebar/navigation.html",
+        "sidebar/scroll-end.html",
+    ]
+}
+# The copy button leaves out prompts (>>> and ...) and output of console examples.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
 
 
 def _public_name(app, env, node, contnode):

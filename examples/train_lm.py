@@ -2,20 +2,24 @@
 
 Run ``python examples/train_lm.py`` (the README's first command does). It runs on 8 simulated
 CPU devices whatever accelerators the host has, or with ``--devices accelerator`` on every
-device of the host's GPU or TPU backend; its first line names the backend and the devices. It
-builds the mesh from ``--mesh`` (named, like ``dp:1,fsdp:4,tp:2``: axes left out have size 1;
-one size may be ``-1``, the devices the others leave; the default is ``dp:1,fsdp:4,tp:2`` on
-the CPU devices and ``fsdp:-1`` on accelerators), builds the NNX Llama of
-``nnx_llama.py`` (or, with ``--api linen``, the Linen GPT of ``linen_gpt.py``) directly sharded,
-prints the sharding plan, the top three meshes of the mesh plan for these devices
-(:func:`flax_escale.sizing.plan_mesh`) and the memory a training step needs per device,
-trains on synthetic data with a progress bar, and prints the per-device memory of parameters
-and optimizer state.
+device of the host's GPU or TPU backend; its first line names the backend and the devices.
+It then ranks the meshes of those devices for its model (:func:`flax_escale.sizing.plan_mesh`,
+which compiles every candidate the first time and reads them from its cache after) and prints
+the three best; ``--no-plan`` skips that. It trains on the mesh of ``--mesh``: ``auto`` (the
+default) is the planner's pick, or the default mesh (``dp:1,fsdp:4,tp:2`` on the CPU devices,
+``fsdp:-1`` on accelerators) with ``--no-plan``; a named mesh like ``dp:2,fsdp:2,tp:2`` (axes
+left out have size 1; one size may be ``-1``, the devices the others leave) is trained on
+as given, with its rank in the plan. A line names the mesh and why it was chosen. The job
+builds the NNX Llama of ``nnx_llama.py`` (or, with ``--api linen``, the Linen GPT of
+``linen_gpt.py``) directly sharded on it, prints the sharding plan and the memory a training
+step needs per device, trains on synthetic data with a progress bar, and prints the loss and
+the per-device memory of parameters and optimizer state.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -36,6 +40,8 @@ from flax_escale import nnx as fen
 from flax_escale import sizing
 
 DEFAULT_MESH = {"cpu": "dp:1,fsdp:4,tp:2", "accelerator": "fsdp:-1"}
+AUTO = "auto"  # --mesh auto: the mesh plan's pick
+PLANNED_AXES = ("dp", "fsdp", "tp")
 
 
 def mesh_from_string(text: str, devices: list[jax.Device] | None = None) -> jax.sharding.Mesh:
@@ -78,61 +84,143 @@ class Trainer:
         return float(loss)
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def build_parser() -> argparse.ArgumentParser:
+    """The job's command line; every option says what it does."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     backend_choice.add_devices_argument(parser)
     parser.add_argument(
         "--mesh",
-        default=None,
-        help="e.g. dp:2,fsdp:2,tp:2 (default: dp:1,fsdp:4,tp:2 on cpu, fsdp:-1 on accelerators)",
+        default=AUTO,
+        help="auto (default): the planner's pick of the meshes of the devices; or named sizes, "
+        "e.g. dp:2,fsdp:2,tp:2 (axes left out: 1; one size may be -1). With --no-plan, auto "
+        f"is {DEFAULT_MESH['cpu']} on cpu and {DEFAULT_MESH['accelerator']} on accelerators",
     )
-    parser.add_argument("--api", choices=["nnx", "linen"], default="nnx")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--api",
+        choices=["nnx", "linen"],
+        default="nnx",
+        help="nnx: the NNX Llama of nnx_llama.py (default); linen: the Linen GPT of linen_gpt.py",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=40, help="training steps (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="sequences per training step, and the batch the meshes of the CPU devices are "
+        "planned for (default %(default)s; on accelerators the plan assumes 16)",
+    )
     parser.add_argument(
         "--plan-memory",
         default="2.5MiB",
-        help="per-device budget of the mesh plan printed before training (default 2.5MiB)",
+        help="per-device memory budget of the mesh plan (default %(default)s)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="skip the mesh plan (it compiles every candidate mesh, a minute or two the first "
+        "time): train on --mesh, or on the default mesh when --mesh is auto",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    args = build_parser().parse_args(argv)
     # First, before anything starts a JAX backend, so that an accelerator is never started
     # when the CPU is chosen.
     devices = backend_choice.select_devices(args.devices)
-    # Wide enough for the plan table when the output is a log rather than a terminal.
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    # A terminal's width, or COLUMNS where set; a log gets one wide enough for the tables.
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    console = Console(width=None if wide else 160)
     console.print(backend_choice.describe(devices), highlight=False)
     with jax.default_device(devices[0]):
-        return _train(args, devices, console)
+        return _train(args, choose_mesh(args, devices, console), console)
 
 
-def _print_mesh_plan(args: argparse.Namespace, devices: int, console: Console) -> None:
-    # Which mesh of these devices would this model best train on (at the example's batch of
-    # 16), before any is built: the planner compiles every candidate on simulated CPU devices,
-    # in a child process when there are more than this process has, and keeps the figures.
+def choose_mesh(
+    args: argparse.Namespace, devices: list[jax.Device], console: Console
+) -> jax.sharding.Mesh:
+    """The mesh to train on, after the mesh plan unless ``--no-plan``; a line says which and why."""
+    # A named --mesh is checked before the minute of planning, not after.
+    given = None if args.mesh == AUTO else mesh_from_string(args.mesh, devices)
+    default = DEFAULT_MESH[args.devices]
+    if args.no_plan:
+        if given is not None:
+            return _announce(given, "from --mesh (--no-plan: not ranked)", console)
+        why = f"the default on {args.devices} devices, {default} (--no-plan: not ranked)"
+        return _announce(mesh_from_string(default, devices), why, console)
+    plan = _plan_meshes(args, len(devices) if given is None else given.size, console)
+    budget = f"{args.plan_memory} per device"
+    if given is not None:
+        return _announce(given, f"from --mesh; {_rank_of(given, plan, budget)}", console)
+    if plan.best is None:
+        why = f"the default on {args.devices} devices, {default}, as no mesh fits {budget}"
+        return _announce(mesh_from_string(default, devices), why, console)
+    best = ",".join(f"{axis}:{size}" for axis, size in plan.best.shape.items())
+    why = (
+        f"the planner's pick, the fastest estimated step of the {len(plan.fitting)} meshes "
+        f"that fit {budget} (--mesh to choose another)"
+    )
+    return _announce(mesh_from_string(best, devices), why, console)
+
+
+def _plan_meshes(args: argparse.Namespace, devices: int, console: Console) -> sizing.MeshPlan:
+    # Which mesh of these devices would this model best train on, before any is built: the
+    # planner compiles every candidate on simulated CPU devices and keeps the figures. On the
+    # CPU devices it compiles here, for the batch trained; on accelerators in a child process,
+    # which imports the example's factory (its batch of 16).
     example = {"nnx": nnx_llama, "linen": linen_gpt}[args.api]
+    workload = example.workload(batch=args.batch) if args.devices == "cpu" else example.workload
+    if not console.is_terminal:  # the progress bar shows only on a terminal
+        candidates = len(sizing.mesh_shapes(devices, PLANNED_AXES))
+        console.print(
+            f"planning the meshes of {devices} devices: compiling up to {candidates} candidates, "
+            "a minute or two the first time (cached after)...",
+            highlight=False,
+            soft_wrap=True,  # one line in a log, whatever its width
+        )
     plan = sizing.plan_mesh(
-        example.workload,
-        devices=devices,
-        memory=args.plan_memory,
-        axes=("dp", "fsdp", "tp"),
-        progress=console,
+        workload, devices=devices, memory=args.plan_memory, axes=PLANNED_AXES, progress=console
     )
     console.print(plan.table(top=3))
+    return plan
 
 
-def _train(args: argparse.Namespace, devices: list[jax.Device], console: Console) -> list[float]:
-    mesh = mesh_from_string(args.mesh or DEFAULT_MESH[args.devices], devices)
+def _rank_of(mesh: jax.sharding.Mesh, plan: sizing.MeshPlan, budget: str) -> str:
+    shape = dict(mesh.shape)
+    for rank, candidate in enumerate(plan.fitting, 1):
+        if candidate.shape == shape:
+            pick = " (the planner's pick too)" if rank == 1 else "; --mesh auto trains on #1"
+            return f"the plan ranks it #{rank} of the {len(plan.fitting)} that fit {budget}{pick}"
+    found = next((c for c in plan.candidates if c.shape == shape), None)
+    if found is None:
+        return "the plan did not consider it (it spreads the devices over dp, fsdp and tp only)"
+    if found.fits is False:
+        return f"the plan finds that it does not fit {budget}"
+    return f"the plan did not compile it ({found.figures.status})"
+
+
+def _announce(mesh: jax.sharding.Mesh, why: str, console: Console) -> jax.sharding.Mesh:
+    label = " ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "one device"
+    console.print(
+        f"[bold]training on[/] {label} ({mesh.size} devices): {why}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return mesh
+
+
+def _train(args: argparse.Namespace, mesh: jax.sharding.Mesh, console: Console) -> list[float]:
     rules = fe.PartitionAxis()
-    console.print(f"[bold]mesh[/] {dict(mesh.shape)} on {mesh.size} of them")
     trainer = Trainer(args.api, mesh, rules, args.batch)
-    report = fe.sharding_report(trainer.plan, console=console)
-    _print_mesh_plan(args, mesh.size, console)
+    fe.sharding_report(trainer.plan, console=console)
     seq = 32
     data = toy_data.batches(trainer.config.vocab, args.batch, seq)
     with fe.use_sharding(mesh, rules):
         sample = fe.constrain(next(data), ("batch", "sequence"))
         estimate = fe.will_it_fit(trainer.step, trainer.state, sample)
-        console.print(f"[bold]train step[/] {estimate}")
+        console.print(f"[bold]train step[/] {estimate}", soft_wrap=True)
         losses = []
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
         with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
@@ -147,10 +235,7 @@ def _train(args: argparse.Namespace, devices: list[jax.Device], console: Console
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps ({per_step:.0f} ms/step,"
         " the first one compiling)"
     )
-    console.print(
-        f"per device: parameters {report.max_device_bytes:,} B of {report.total_bytes:,} B; "
-        f"parameters + optimizer state {state.max_device_bytes:,} B of {state.total_bytes:,} B"
-    )
+    console.print(f"parameters and optimizer state: {state.summary()}")
     return losses
 
 

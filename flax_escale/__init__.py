@@ -15,6 +15,8 @@ multi-host data and the errors. The rest is organized by layer and by audience:
   functions, the launcher, ...).
 """
 
+from importlib import metadata as _metadata
+
 from flax_escale import (  # noqa: F401 (the namespaces)
     eformer,
     linen,
@@ -71,6 +73,21 @@ from flax_escale.tools import (
     sharding_report,
     will_it_fit,
 )
+
+
+def _installed_version() -> str:
+    """The version of the installed distribution, the one pip and PyPI show.
+
+    A source tree imported without being installed (put on ``PYTHONPATH``, vendored) has no
+    metadata to read: its version is ``0+unknown``, below every release.
+    """
+    try:
+        return _metadata.version("flax-escale")
+    except _metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "EscaleError",

@@ -31,6 +31,7 @@ from rich.console import Console
 
 from flax_escale import _checks as check
 from flax_escale import sizing
+from flax_escale._specs import mesh_text
 from flax_escale.errors import EscaleError, MeshError
 from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target, create_mesh, parse_mesh_shape
 from flax_escale.mesh._target import MAX_SIMULATED_DEVICES
@@ -39,6 +40,7 @@ from flax_escale.sizing._candidates import checked_axes
 from flax_escale.sizing._factory import build_workload
 from flax_escale.sizing._state_plan import train_state_plan
 from flax_escale.tools import _launch, sharding_report
+from flax_escale.tools._caught import catching_corrections, corrections_table
 
 
 def _add_launch(parser: argparse.ArgumentParser) -> None:
@@ -108,13 +110,14 @@ def _run_launch(args: argparse.Namespace) -> int:
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", metavar="MODULE:FACTORY", help="e.g. my_models:workload")
     parser.add_argument(
-        "--devices", type=int, default=None, help="devices to plan for (a TPU slice: its chips)"
+        "--devices", type=int, default=None, help="devices to plan for (a TPU/GPU target: its own)"
     )
     parser.add_argument(
         "--target",
         default="cpu",
         help="whose compiler: cpu (simulated devices, the default), a TPU slice such as "
-        "v5e-256 or v5p-128, or a topology such as v5e:2x4 (needs libtpu, no TPU)",
+        "v5e-256 or v5p-128, or a topology such as v5e:2x4 (needs libtpu, no TPU), or GPUs "
+        "such as h100-8 (simulated devices with the GPU's memory and profile)",
     )
     parser.add_argument(
         "--slices", type=int, default=1, help="TPU slices over DCN, dp spanning them"
@@ -125,7 +128,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         default=None,
-        help=f"hardware profile: {', '.join(PROFILES)} (default: the TPU's, else h100)",
+        help=f"hardware profile: {', '.join(PROFILES)} (default: the target's, else h100)",
     )
     parser.add_argument("--flops", type=float, help="custom profile: peak FLOP/s per device")
     parser.add_argument(
@@ -153,7 +156,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     Compile the workload that FACTORY returns (a flax_escale.sizing.Workload) on every
     candidate mesh of DEVICES simulated CPU devices (or of a TPU slice, with the TPU compiler:
-    --target v5p-128), ahead of time, and print the meshes ranked: per-device peak memory
+    --target v5p-128; GPUs are simulated CPU devices with the GPU's memory and profile:
+    --target h100-8), ahead of time, and print the meshes ranked: per-device peak memory
     against the budget, collective bytes per step, estimated step time on the hardware
     profile, and the create_mesh call of the best one.
     """
@@ -256,17 +260,38 @@ def _run_report(args: argparse.Namespace) -> int:
     on MESH, without allocating or compiling anything: print the table of every array
     (parameters, optimizer state as the training step holds it), and with --html write the
     report as a self-contained web page. With --baseline-mesh, also list the arrays whose
-    layout differs on that mesh.
+    layout differs on that mesh. What planning corrects is shown, not warned: an array's
+    correction in the table's notes, an activation constraint's in a table below it (its file
+    relative to the working folder). The table fits the terminal, or COLUMNS (160 in a log).
     """
     # Both strings are checked before either mesh starts JAX's devices.
     shapes = [(flag, _shape_of(text, flag)) for flag, text in _meshes(args)]
     meshes = [_mesh_of(shape, flag) for flag, shape in shapes]
-    workload = build_workload(args.workload)
-    plan = train_state_plan(workload, meshes[0])
-    baseline = None if len(meshes) == 1 else train_state_plan(workload, meshes[1])
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    # What tracing corrects is said in the table's notes and below it, not as warnings.
+    with catching_corrections() as found:
+        workload = build_workload(args.workload)
+        plan = train_state_plan(workload, meshes[0])
+    baseline = None
+    if len(meshes) > 1:
+        with catching_corrections():  # the baseline's own corrections show in the diff
+            baseline = train_state_plan(workload, meshes[1])
+    # A terminal's width, or the COLUMNS a log asks for; 160 for a log that says nothing.
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    console = Console(width=None if wide else 160)
     with _options({"html": "--html"}):
-        sharding_report(plan, console=console, html=args.html, baseline=baseline)
+        report = sharding_report(plan, show=False, html=args.html, baseline=baseline)
+    console.print(report.table())
+    paths = {e.path for e in plan}
+    constraints = [c for c in found if c.path not in paths]
+    if constraints:
+        title = (
+            f"{len(constraints)} activation constraint(s) corrected while tracing the step on "
+            f"mesh ({mesh_text(plan.mesh.shape)}); the arrays' own corrections are in the "
+            "notes above"
+        )
+        console.print(corrections_table(constraints, title))
+    if baseline is not None:
+        console.print(baseline.diff(plan).table())
     if args.html is not None:
         console.print(f"wrote {args.html}", markup=False, highlight=False)
     return 0

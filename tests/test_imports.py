@@ -33,6 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_paths",
         "_regex",
         "_specs",
+        "_tables",
         "_units",
     ),
     "mesh": ("mesh",),

@@ -296,6 +296,26 @@ def test_package_is_typed():
     assert files("flax_escale").joinpath("py.typed").is_file()
 
 
+def test_version_is_the_installed_distributions_and_pyprojects():
+    import tomllib
+    from importlib import metadata
+
+    from support import ROOT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert flax_escale.__version__ == metadata.version(project["name"]) == project["version"]
+
+
+def test_version_of_a_source_tree_that_is_not_installed(monkeypatch):
+    from importlib import metadata
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert flax_escale._installed_version() == "0+unknown"
+
+
 # --- one object per name, and the compatibility vocabularies only in their namespaces ---------
 
 # One entry point serves both Flax APIs (plan_sharding, init_sharded, lower_init,

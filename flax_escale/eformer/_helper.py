@@ -115,13 +115,12 @@ class MeshPartitionHelper:
     ) -> PartitionSpec:
         """The spec eformer's helper makes of ``methods`` for ``array_shape``.
 
-        Methods are tried in order, in two passes (see ``flax_escale.eformer._methods``): a
-        one-axis method goes on the first free dimension that is large enough and that its
-        axis divides; a two-axis method ``(a, b)`` puts ``a`` on dimension 0 and ``b`` on
-        dimension 1 (or both on dimension 0) and ends the pass; longer methods are passed
-        over. The spec has one entry per dimension, as eformer's. Unlike eformer's, it always
-        divides the shape and names each mesh axis once: a placement that would break either
-        rule is passed over.
+        Methods are tried in order, in two passes: a one-axis method goes on the first free
+        dimension that is large enough and that its axis divides; a two-axis method ``(a, b)``
+        puts ``a`` on dimension 0 and ``b`` on dimension 1 (or both on dimension 0) and ends
+        the pass; longer methods are passed over. The spec has one entry per dimension, as
+        eformer's. Unlike eformer's, it always divides the shape and names each mesh axis
+        once: a placement that would break either rule is passed over.
 
         Args:
             array_shape: The array's shape.

@@ -143,8 +143,7 @@ def get_axes_size_in_mesh(axis_names: MeshAxes, mesh: Mesh | AbstractMesh | None
     Raises:
         MeshError: If an axis is not in the mesh.
         EscaleTypeError: If ``axis_names`` is not a string, a tuple or list of strings or
-            ``None`` (see ``flax_escale._specs.mesh_axes_of``), or ``mesh`` is not a
-            mesh.
+            ``None``, or ``mesh`` is not a mesh.
         NoMeshError: If ``mesh`` is omitted and no mesh is set.
 
     Example:

@@ -5,6 +5,10 @@ A TPU slice needs no TPU: ``jax.experimental.topologies.get_topology_desc`` desc
 description's devices compile with the TPU compiler on any machine; nothing runs. Their memory,
 collectives and FLOPs are the TPU's own. The simulated CPU stays the default, and every figure
 says which compiler it came from (:attr:`Target.label`).
+
+A GPU cluster has no such path: JAX compiles for a GPU only on a host with one. A GPU name
+(``"h100-8"``) is therefore a target of simulated CPU devices standing in for the GPUs: XLA:CPU
+compiles, and the GPU's memory and hardware profile budget and rank the meshes.
 """
 
 from __future__ import annotations
@@ -76,7 +80,12 @@ TPU_GENERATIONS: dict[str, _Generation] = {
 }
 """The TPU generations a target may name, as ``"<generation>-<size>"`` (Cloud TPU's names)."""
 
+# The GPUs a target may name, as "<gpu>-<count>" ("h100-8"), with one GPU's memory; each is
+# also the name of the planner's hardware profile of that GPU.
+_GPUS = {"a100": 80 * 10**9, "h100": 80 * 10**9, "h200": 141 * 10**9}
+
 _NAME = re.compile(r"^(v\d+[a-z]*)-(\d+)$")
+_GPU_NAME = re.compile(rf"^({'|'.join(_GPUS)})-(\d+)$")
 _TOPOLOGY = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)*)$")
 _GPU = re.compile(r"^(gpu|cuda|[ahb]\d{2,3})(\b|[-:x])", re.IGNORECASE)
 
@@ -87,12 +96,13 @@ class Target:
 
     Attributes:
         name: The target as given: ``"cpu"``, ``"v5p-128"``, ``"v5e:2x4"``.
-        platform: ``"cpu"`` (simulated devices) or ``"tpu"``.
+        platform: ``"cpu"`` (simulated devices, also for a GPU name) or ``"tpu"``.
         device_count: Devices of the whole target (every slice).
         topology: The slice as ``get_topology_desc`` takes it (``"v5p:4x4x4"``); ``None`` on
             CPU.
         slices: Slices joined over the data-center network; data parallelism spans them.
-        memory_bytes: One device's memory; ``None`` for simulated CPU devices.
+        memory_bytes: One device's memory (a TPU chip's, or the GPU's that simulated CPU
+            devices stand in for); ``None`` for plain simulated CPU devices.
         profile: The name of the planner's hardware profile of one device, if there is one.
 
     Raises:
@@ -168,7 +178,10 @@ class Target:
     def label(self) -> str:
         """Which compiler the figures come from, for every table and message that shows them."""
         if self.platform == "cpu":
-            return f"XLA:CPU, {self.device_count} simulated devices"
+            simulated = f"XLA:CPU, {self.device_count} simulated devices"
+            if _GPU_NAME.match(self.name):
+                return f"{simulated} standing in for {self.name}'s GPUs"
+            return simulated
         joined = f" x {self.slices} slices over DCN" if self.slices > 1 else ""
         return f"TPU compiler (libtpu), {self.name} = topology {self.topology}{joined}"
 
@@ -254,8 +267,9 @@ class Target:
             name: ``"cpu"`` (simulated CPU devices; ``devices`` says how many), a Cloud TPU slice
                 name (``"v5e-256"``, ``"v6e-64"``: chips; ``"v5p-128"``: TensorCores, two per
                 chip; see :data:`TPU_GENERATIONS`), or a topology as
-                ``jax.experimental.topologies.get_topology_desc`` takes it (``"v5e:2x4"``), or a
-                ``Target``.
+                ``jax.experimental.topologies.get_topology_desc`` takes it (``"v5e:2x4"``), a
+                GPU cluster (``"h100-8"``: 8 GPUs; ``a100``, ``h100``, ``h200``), simulated on CPU
+                devices with the GPU's memory and profile, or a ``Target``.
             devices: For ``"cpu"``: how many devices to simulate. For a TPU name or a
                 ``Target``: optional, and then it must agree with it.
             slices: TPU slices joined over the data-center network (multi-slice); data
@@ -279,6 +293,11 @@ class Target:
             512
             >>> Target.named("cpu", devices=8).label
             'XLA:CPU, 8 simulated devices'
+            >>> gpus = Target.named("h100-8")
+            >>> gpus.platform, gpus.device_count, gpus.memory_bytes, gpus.profile
+            ('cpu', 8, 80000000000, 'h100')
+            >>> gpus.label
+            "XLA:CPU, 8 simulated devices standing in for h100-8's GPUs"
         """
         if devices is not None:
             devices = check.positive_int(devices, "devices")
@@ -305,12 +324,16 @@ class Target:
             if slices != 1:
                 raise EscaleError("slices: simulated CPU devices form one slice; pass slices=1.")
             return cls("cpu", "cpu", devices)
+        gpus = _GPU_NAME.match(name)
+        if gpus is not None:
+            return _gpu_target(name, gpus.group(1), int(gpus.group(2)), devices, slices)
         if _GPU.match(name):
+            known = ", ".join(f"'{gpu}-N'" for gpu in _GPUS)
             raise EscaleError(
-                f"target {name!r}: GPU clusters are not a target yet (JAX compiles for a mock "
-                "GPU topology only on a host with an NVIDIA GPU, and that path is untested "
-                "here); plan on the simulated CPU with a GPU's profile instead: "
-                "target='cpu', devices=N, profile='h100'."
+                f"target {name!r}: the GPU targets are {known} (N GPUs, simulated on CPU "
+                "devices with the GPU's memory and profile, as JAX compiles for a GPU only on a "
+                "host with one); for another GPU, pass target='cpu', devices=N and "
+                "profile=HardwareProfile(...) of it to plan_mesh."
             )
         generation, topology = _tpu_topology(name)
         sizes = [int(size) for size in topology.split(":")[1].split("x")]
@@ -334,6 +357,27 @@ class Target:
     def as_json(self) -> dict[str, Any]:
         """The target as JSON-ready values (for the planner's child process)."""
         return dataclasses.asdict(self)
+
+
+def _gpu_target(name: str, gpu: str, count: int, devices: int | None, slices: int) -> Target:
+    # Simulated CPU devices standing in for the GPUs: their count is the name's, and the GPU
+    # gives the memory budget and the planner's profile.
+    if count < 1 or count > MAX_SIMULATED_DEVICES:
+        raise EscaleError(
+            f"target {name!r}: a GPU target simulates its GPUs on CPU devices, from 1 to "
+            f"{MAX_SIMULATED_DEVICES}; name that many GPUs, such as '{gpu}-8'."
+        )
+    if devices is not None and devices != count:
+        raise EscaleError(
+            f"devices={devices} disagrees with target {name!r}, which has {count} GPUs; leave "
+            f"devices out, or name the cluster that has them ('{gpu}-{devices}')."
+        )
+    if slices != 1:
+        raise EscaleError(
+            f"slices: target {name!r} is simulated on CPU devices, which form one slice; pass "
+            "slices=1 (the hosts of a GPU cluster are counted in its GPUs)."
+        )
+    return Target(name, "cpu", count, memory_bytes=_GPUS[gpu], profile=gpu)
 
 
 def _agreeing(target: Target, devices: int | None, slices: int | None) -> Target:

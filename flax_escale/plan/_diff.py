@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh
-from rich.table import Table
 
 from flax_escale._specs import mesh_text
+from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.plan._entry import PlanEntry
 
@@ -114,16 +114,39 @@ class PlanDiff:
             f"per device {'+' if moved >= 0 else '-'}{abs(moved):,}"
         )
 
-    def table(self) -> Table:
-        """The changes as a ``rich`` table."""
-        table = Table(title=self.summary())
-        for name in ("path", "what", "spec before", "spec after", "before", "after", "notes"):
-            table.add_column(name, justify="right" if name in ("before", "after") else "left")
+    def table(self) -> FittedTable:
+        """The changes as a ``rich`` table that fits the width it is printed at.
+
+        Paths are folded, never cut; empty columns are left out, then, as the width shrinks,
+        the notes, the bytes before and after, and what changed; where path and specs do not
+        fit, :meth:`describe`.
+        """
+        table = FittedTable(title=self.summary(), plain=self.describe)
+        # (header, gives way, narrowest useful width); 0 never gives way.
+        columns = (
+            ("path", 0, 28),
+            ("what", 1, 12),
+            ("spec before", 0, 16),
+            ("spec after", 0, 16),
+            ("before", 2, 0),
+            ("after", 2, 0),
+            ("notes", 3, 24),
+        )
+        for name, give_way, least in columns:
+            figure = name in ("before", "after")
+            table.add_column(
+                name,
+                give_way=give_way,
+                least=least,
+                path=name == "path",
+                wrap=not figure,
+                justify="right" if figure else "left",
+            )
         for row in self.rows():
             table.add_row(*row)
         return table
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> FittedTable:
         return self.table()
 
 

@@ -68,7 +68,7 @@ def annotated_leaves(
 
     ``tree`` may be Linen variables (boxed, or plain with a ``params_axes`` collection from
     ``param_with_axes``), a train state, NNX modules, optimizers or states, or any pytree
-    of those. Boxes count as leaves (see ``flax_escale._paths.flatten_with_paths``).
+    of those. Boxes count as leaves.
     A leaf under an ``opt_state`` (a train state's or an ``nnx.Optimizer``'s) follows the
     parameter it tracks, whose annotation optax and NNX copy onto it whatever its shape (and
     which it lacks when the names are in ``params_axes``): it keeps the names of the dimensions

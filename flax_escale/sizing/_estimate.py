@@ -17,6 +17,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from flax_escale._specs import mesh_axes_of
+from flax_escale._units import format_bytes
 from flax_escale.plan import ShardingPlan
 from flax_escale.sizing._profiles import HardwareProfile
 
@@ -26,7 +27,7 @@ __all__ = [
     "estimate_seconds",
     "explain",
     "textbook_communication",
-    "tokens_per_device",
+    "token_count",
 ]
 
 ESTIMATE_TERMS = (
@@ -113,10 +114,9 @@ def textbook_communication(
         gathered += (over - 1) * shard
         reduced += (repeated - 1) / repeated * shard
     seconds = (gathered + reduced) / profile.interconnect_bytes_per_second
-    mib = 2**20
     detail = (
-        f"parameters gathered once {gathered / mib:,.1f} MiB + gradients reduce-scattered "
-        f"{reduced / mib:,.1f} MiB per device"
+        f"parameters gathered once {format_bytes(gathered)} + gradients reduce-scattered "
+        f"{format_bytes(reduced)} per device"
     )
     return seconds, detail
 
@@ -130,25 +130,28 @@ def explain(
 ) -> str:
     """Why a mesh's estimate is what it is, in the scaling book's terms.
 
-    Which term dominates; which collective moves most of the bytes (and the all-to-alls'
-    share, where expert parallelism moves tokens with them); and the tokens each
-    device computes on per step against the ratio of its peak FLOP/s to its interconnect
-    bandwidth (data and fully-sharded parallelism are compute-bound only above it).
+    Which term dominates the estimate; which collective moves most of the bytes (and the
+    all-to-alls' share, where expert parallelism moves tokens with them); and the tokens each
+    device computes on per step (the workload's ``tokens`` says which dimensions count)
+    against the ratio of the profile's peak FLOP/s to its interconnect bandwidth: data and
+    fully sharded parallelism, whose
+    weights or gradients cross the interconnect every step, are compute-bound only from that
+    many tokens per device.
 
     Example:
         >>> from flax_escale.sizing import PROFILES
         >>> from flax_escale.sizing._estimate import explain
         >>> explain(2e-3, 1e-3, {"all-gather": (4, 0, 3e6), "all-reduce": (1, 0, 1e6)}, 4096,
         ...         PROFILES["tpu-v5e"])
-        'compute-bound (67%); all-gather sends 75% of the bytes; 4,096 tokens/device, above the 985 of 197 TFLOP/s over 200 GB/s'
-        >>> explain(1e-3, 2e-3, {"all-gather": (4, 0, 3e6), "all-to-all": (8, 0, 1e6)}, None,
-        ...         PROFILES["tpu-v5e"])
-        'communication-bound (67%); all-gather sends 75% of the bytes; all-to-all 25%'
+        'compute-bound (67% of the estimate); all-gather sends 75% of the bytes; 4,096 tokens/device, over the 985 from which data/FSDP parallelism is compute-bound on Google TPU v5e: 197 TFLOP/s / 200 GB/s'
+        >>> explain(1e-3, 2e-3, {"all-gather": (4, 0, 3e6), "all-to-all": (8, 0, 1e6)}, 132,
+        ...         PROFILES["h100"])
+        'communication-bound (67% of the estimate); all-gather sends 75% of the bytes; all-to-all 25%; 132 tokens/device, under the 2,198 from which data/FSDP parallelism is compute-bound on NVIDIA H100 SXM: 989 TFLOP/s / 450 GB/s'
     """  # noqa: E501
     total = compute + communication
     bound = "compute" if compute >= communication else "communication"
     share = max(compute, communication) / total if total else 0.0
-    parts = [f"{bound}-bound ({share:.0%})"]
+    parts = [f"{bound}-bound ({share:.0%} of the estimate)"]
     wire = sum(c[2] for c in collectives.values())
     if wire:
         kind, cost = max(collectives.items(), key=lambda item: item[1][2])
@@ -162,19 +165,38 @@ def explain(
             parts.append(f"all-to-all {share:.0%}" if share >= 0.005 else "all-to-all <1%")
     if tokens_per_device is not None:
         threshold = profile.flops_per_second / profile.interconnect_bytes_per_second
-        side = "above" if tokens_per_device >= threshold else "below"
-        parts.append(
-            f"{tokens_per_device:,.0f} tokens/device, {side} the {threshold:,.0f} of "
-            f"{profile.flops_per_second / 1e12:,.0f} TFLOP/s over "
+        ratio = (
+            f"{profile.name}: {profile.flops_per_second / 1e12:,.0f} TFLOP/s / "
             f"{profile.interconnect_bytes_per_second / 1e9:,.0f} GB/s"
+        )
+        side = "over" if tokens_per_device >= threshold else "under"
+        parts.append(
+            f"{tokens_per_device:,.0f} tokens/device, {side} the {threshold:,.0f} from which "
+            f"data/FSDP parallelism is compute-bound on {ratio}"
         )
     return "; ".join(parts)
 
 
-def tokens_per_device(batch: Sequence[Any], batch_axes: Sequence[str], mesh: Mesh) -> float | None:
-    """Tokens of the first batch array each device computes on (``None`` without a batch)."""
-    shaped = [x for x in batch if len(x.shape)]
-    if not shaped:
-        return None
-    split = math.prod(mesh.shape[a] for a in batch_axes)
-    return math.prod(shaped[0].shape) / split
+def token_count(
+    shape: Sequence[int], dims: Sequence[int], spec: Sequence[Any], mesh: Mesh
+) -> float:
+    """The tokens one device holds of an array whose dimensions ``dims`` count tokens.
+
+    Each of ``dims`` is divided by the mesh axes its ``spec`` entry splits it over: a
+    ``(64, 1024)`` batch of token ids split ``P(("fsdp", "dp"), "sp")`` on ``fsdp=4 sp=2``
+    holds ``16 x 512`` tokens per device.
+
+    Example:
+        >>> from flax_escale import create_mesh
+        >>> from flax_escale.sizing._estimate import token_count
+        >>> mesh = create_mesh((1, 4, 1, 1, 2))
+        >>> token_count((64, 1024), (0, 1), (("fsdp", "dp"), "sp"), mesh)
+        8192.0
+        >>> token_count((64, 1024), (0,), (("fsdp", "dp"), "sp"), mesh)  # rows of features
+        16.0
+    """
+    count = 1.0
+    for dim in dims:
+        entry = spec[dim] if dim < len(spec) else None
+        count *= shape[dim] / math.prod(mesh.shape[a] for a in mesh_axes_of(entry))
+    return count

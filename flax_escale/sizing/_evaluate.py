@@ -24,7 +24,7 @@ from flax_escale.sizing._estimate import (
     RULE_OUT_MARGIN,
     estimate_seconds,
     textbook_communication,
-    tokens_per_device,
+    token_count,
 )
 from flax_escale.sizing._hlo import READER_VERSION, program_costs
 from flax_escale.sizing._profiles import HardwareProfile
@@ -65,8 +65,10 @@ class Figures:
         compile_seconds: Seconds spent lowering and compiling (0 when cached).
         cached: Whether the figures came from the cache.
         textbook_seconds: Its collectives' time when the weights travel, by the textbook
-            (``flax_escale.sizing._estimate.textbook_communication``).
-        tokens_per_device: Tokens of the batch each device computes on per step.
+            formulas.
+        tokens_per_device: Tokens of the batch each device computes on per step: the
+            dimensions :attr:`~flax_escale.sizing.Workload.token_dims` names, each over the
+            mesh axes that split it.
         reshardings: The arrays XLA's partitioner replicates in full to split them another
             way, in the init and the step: each costs an all-gather the layout did not ask
             for.
@@ -158,12 +160,15 @@ def evaluate(
     kept: list[_Kept] = []
     for shape in shapes:
         mesh = target.mesh(tuple(shape[a] for a in DEFAULT_AXIS_NAMES))
-        reason, plan, corrections, batch_axes = _prune(workload, mesh)
+        reason, plan, corrections, batch = _prune(workload, mesh)
         if reason:
             ruled_out.append(Figures(shape, "pruned", reason, corrections))
             continue
-        textbook, detail = textbook_communication(plan, mesh, batch_axes, profile)
-        tokens = tokens_per_device(workload.batch, batch_axes, mesh)
+        textbook, detail = textbook_communication(plan, mesh, _split_axes(batch), profile)
+        tokens = None
+        if workload.token_dims is not None:
+            index, dims = workload.token_dims
+            tokens = token_count(workload.batch[index].shape, dims, batch[index].spec, mesh)
         kept.append(_Kept(shape, mesh, plan, corrections, textbook, detail, tokens))
     if ruled_out and not kept:
         _raise_absent_axes(workload, target, ruled_out)
@@ -260,9 +265,9 @@ def _has_experts(workload: Workload, target: Target) -> bool:
 
 def _prune(
     workload: Workload, mesh: Any
-) -> tuple[str, ShardingPlan | None, tuple[str, ...], tuple[str, ...]]:
-    # Why the mesh is pruned ("" if it is not), its plan, the plan's corrections, and the mesh
-    # axes its batch is split over.
+) -> tuple[str, ShardingPlan | None, tuple[str, ...], list[Any]]:
+    # Why the mesh is pruned ("" if it is not), its plan, the plan's corrections, and the
+    # shardings of its batch.
     label = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "one device"
     notes = []
     for i, x in enumerate(workload.batch):
@@ -272,7 +277,7 @@ def _prune(
         if resolution.corrections:
             detail = "; ".join(c.detail for c in resolution.corrections)
             reason = f"batch[{i}] of shape {tuple(x.shape)} cannot be split on {label}: {detail}"
-            return reason, None, (), ()
+            return reason, None, (), []
         notes += [f"batch[{i}]: no rule for {name!r}" for name in resolution.unknown_names]
     with warnings.catch_warnings():
         # Recorded in the plan and reported per candidate, rather than warned once per mesh.
@@ -283,8 +288,9 @@ def _prune(
         f"{path} dim {c.dim} ({c.size}): {'+'.join(c.mesh_axes)} dropped ({c.kind})"
         for path, c in plan.corrections
     ) + tuple(notes)
-    batch_axes = tuple(sorted({a for s in batch for entry in s.spec for a in mesh_axes_of(entry)}))
-    used = {a for e in plan for entry in e.spec for a in mesh_axes_of(entry)} | set(batch_axes)
+    used = {a for e in plan for entry in e.spec for a in mesh_axes_of(entry)} | set(
+        _split_axes(batch)
+    )
     idle = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1 and a not in used]
     if idle:
         return (
@@ -292,9 +298,14 @@ def _prune(
             "would only repeat the work)",
             plan,
             corrections,
-            batch_axes,
+            batch,
         )
-    return "", plan, corrections, batch_axes
+    return "", plan, corrections, batch
+
+
+def _split_axes(batch: list[Any]) -> tuple[str, ...]:
+    # The mesh axes the batch's shardings split it over.
+    return tuple(sorted({a for s in batch for entry in s.spec for a in mesh_axes_of(entry)}))
 
 
 def _raise_absent_axes(workload: Workload, target: Target, pruned: list[Figures]) -> None:

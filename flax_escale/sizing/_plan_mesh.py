@@ -161,6 +161,7 @@ def plan_mesh(
         devices=devices,
         memory_bytes=memory_bytes,
         rules=events.rules,
+        front_end=events.front_end,
         seconds=time.perf_counter() - start,
         time_budget=time_budget,
         backend=chosen.label,

@@ -112,8 +112,8 @@ def measure_cpu_profile(mesh: Mesh, *, rounds: int = 5) -> HardwareProfile:
     Simulated CPU devices share the host's cores and "communicate" through its memory, so no
     published figure describes them; the three numbers are timed on ``mesh`` itself, each the
     median of ``rounds``: a matrix multiplication on every device at once (FLOP/s per
-    device), an all-gather of 16 MiB (bytes each device sends per second, as
-    ``flax_escale.sizing._hlo`` counts them), an all-reduce of one value per device
+    device), an all-gather of 16 MiB (bytes each device sends per second, as the planner
+    counts them in compiled programs), an all-reduce of one value per device
     (latency) and an elementwise update of 16 MiB per device (memory bandwidth).
 
     Args:

@@ -7,10 +7,10 @@ from typing import Any
 
 from rich.bar import Bar
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from flax_escale import _checks as check
+from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
 from flax_escale.sizing._estimate import ESTIMATE_TERMS, estimate_seconds, explain
@@ -90,7 +90,7 @@ class Candidate:
         return cls(figures, peak <= memory_bytes, compute, communication)
 
     def explain(self, profile: HardwareProfile | str) -> str:
-        """Why its estimate is what it is (see ``flax_escale.sizing._estimate.explain``).
+        """Why its estimate is what it is: the figures its step time comes from.
 
         Empty for a mesh that was not compiled.
 
@@ -138,6 +138,8 @@ class MeshPlan:
         time_budget: The time budget, if any.
         backend: Whose compiler compiled the programs (``"XLA:CPU, 64 simulated devices"``,
             or the TPU slice's :attr:`~flax_escale.mesh.Target.label`).
+        front_end: The workload's Flax API, ``"linen"`` or ``"nnx"``: what the
+            recommendation's :func:`~flax_escale.init_sharded` call returns.
     """
 
     devices: int
@@ -148,6 +150,7 @@ class MeshPlan:
     seconds: float
     time_budget: float | None
     backend: str
+    front_end: str = "linen"
 
     @classmethod
     def rank(cls, figures: list[Figures], profile: HardwareProfile, **fields: Any) -> MeshPlan:
@@ -215,16 +218,39 @@ class MeshPlan:
                 "optimizer state, or rematerialization."
             )
         rules = "flax_escale.PartitionAxis()" if self.rules is None else repr(list(self.rules))
-        return "\n".join(
-            [
-                f"mesh = {self.best.create_mesh_call()}",
-                f"rules = {rules}",
-                "variables = flax_escale.init_sharded(model, mesh, rng, *args, rules=rules)",
-            ]
+        # init_sharded returns a Linen model's variables, and an NNX model itself.
+        init = (
+            "variables = flax_escale.init_sharded(model, mesh, rng, *args, rules=rules)"
+            if self.front_end == "linen"
+            else "model = flax_escale.init_sharded(Model, mesh, rng, *args, rules=rules)"
+        )
+        return "\n".join([f"mesh = {self.best.create_mesh_call()}", f"rules = {rules}", init])
+
+    def title(self) -> str:
+        """What the table's figures are: the devices and budget, whose compiler, which profile.
+
+        The budget is said beside the profile's memory when they differ, so that a small
+        budget chosen for a test is not read as the hardware's.
+        """
+        p = self.profile
+        budget = f"{format_bytes(self.memory_bytes)} per device"
+        if p.memory_bytes == self.memory_bytes:
+            budget += f" (the {p.name}'s memory)"
+        elif p.memory_bytes is not None:
+            budget += f" (as given; the {p.name} has {format_bytes(p.memory_bytes)})"
+        return (
+            f"{self.devices} devices, a memory budget of {budget}\n"
+            f"memory, FLOPs and collectives compiled by {self.backend} in {self.seconds:.0f} s; "
+            f"step times estimated for {p.name} ({p.flops_per_second / 1e12:,.0f} TFLOP/s, "
+            f"{p.interconnect_bytes_per_second / 1e9:,.0f} GB/s interconnect)"
         )
 
-    def table(self, top: int | None = None) -> Table:
+    def table(self, top: int | None = None) -> FittedTable:
         """The plan as a ``rich`` table (the first ``top`` candidates, or all).
+
+        It fits the width it is printed at: as the width shrinks, the budget's bar gives way,
+        then the collectives, then the notes; where rank, mesh, peak and step time do not
+        fit, the rows are printed as plain text.
 
         Raises:
             EscaleError: If ``top`` is below 1.
@@ -232,16 +258,25 @@ class MeshPlan:
         """
         if top is not None:
             top = check.positive_int(top, "top")
-        table = Table(
-            title=(
-                f"{self.devices} devices, {format_bytes(self.memory_bytes)} each, estimated on "
-                f"{self.profile.name} (compiled on {self.backend}, {self.seconds:.0f} s)"
-            ),
-            title_justify="left",
+        table = FittedTable(title=self.title(), title_justify="left")
+        # (header, gives way: 0 never, the highest first; narrowest useful width, 0: its own)
+        columns = (
+            ("#", 0, 0),
+            ("mesh", 0, 12),
+            ("peak / device", 0, 0),
+            ("budget", 4, 0),
+            ("collectives / step", 3, 0),
+            ("est. step", 0, 0),
+            ("notes", 2, 24),
         )
-        for column in ("#", "mesh", "peak / device", "", "collectives / step", "est. step"):
-            table.add_column(column, justify="left" if column in ("mesh", "") else "right")
-        table.add_column("notes")
+        for name, give_way, least in columns:
+            table.add_column(
+                name,
+                give_way=give_way,
+                least=least,
+                wrap=bool(least),
+                justify="left" if name in ("mesh", "budget", "notes") else "right",
+            )
         for rank, c in enumerate(self.candidates[:top], 1):
             table.add_row(
                 str(rank) if c.fits else "-",

@@ -68,11 +68,23 @@ class Workload:
         gather_at_use: Linen: the state's ``apply_fn`` gathers each parameter where the model
             reads it, as :func:`~flax_escale.linen.init_train_state` makes it with the same
             flag.
+        tokens: Which batch dimensions count tokens, for the tokens per device that each
+            compiled mesh's notes weigh against the hardware
+            (:attr:`~flax_escale.sizing.Workload.token_dims`): ``None`` for the default,
+            ``i`` for ``batch[i]`` by the default's rule, or ``(i, n)`` for the first ``n``
+            dimensions of ``batch[i]``. By default the tokens are those of the first integer
+            array (token ids): its first two dimensions, batch x sequence (its one, for a
+            vector). Without one, those of the first array: a float array of rank 3 or more is
+            batch x sequence x features, so its first two count; a matrix is rows of features,
+            so only its rows count (a ``(64, 1024)`` float batch is 64 tokens).
 
     Raises:
         EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays,
-            ``init_kwargs`` that are not a mapping, or a ``step`` or ``loss`` that is not a
-            function taking the arguments it is called with.
+            ``init_kwargs`` that are not a mapping, a ``step`` or ``loss`` that is not a
+            function taking the arguments it is called with, or ``tokens`` that is neither an
+            index nor an ``(index, dimensions)`` pair.
+        EscaleError: For ``tokens`` naming an array the batch lacks, a scalar, or more
+            dimensions than its array has.
     """
 
     model: Any
@@ -88,6 +100,7 @@ class Workload:
     shard_over: Sequence[str] = ()
     init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gather_at_use: bool = False
+    tokens: int | tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.args, tuple):
@@ -145,7 +158,76 @@ class Workload:
                 )
             data_axes(self.rules)  # refused here, not on the first mesh, if nothing to gather
         # The model, its arguments and the options are checked here, once for every mesh.
-        _ = self.call, self.options
+        _ = self.call, self.options, self.token_dims
+
+    @functools.cached_property
+    def token_dims(self) -> tuple[int, tuple[int, ...]] | None:
+        """``(i, dims)``: the dimensions of ``batch[i]`` that count tokens (see ``tokens``).
+
+        ``None`` when no batch array has a dimension.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, optax
+            >>> from flax import nnx
+            >>> from flax_escale.sizing import Workload
+            >>> def linear(rngs):
+            ...     return nnx.Linear(1024, 1024, rngs=rngs)
+            >>> def planned(*batch, **options):
+            ...     return Workload(linear, 0, tx=optax.sgd(0.1), batch=batch, **options)
+            >>> ids = jax.ShapeDtypeStruct((64, 1024), jnp.int32)
+            >>> rows = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+            >>> planned(rows, ids).token_dims  # the token ids: batch x sequence
+            (1, (0, 1))
+            >>> planned(rows).token_dims  # rows of features: one token each
+            (0, (0,))
+            >>> planned(rows, ids, tokens=(0, 2)).token_dims  # said otherwise
+            (0, (0, 1))
+        """
+        batch = self.batch or ()
+        if self.tokens is None:
+            ints = [i for i, x in enumerate(batch) if len(x.shape) and _is_int(x)]
+            shaped = [i for i, x in enumerate(batch) if len(x.shape)]
+            if not shaped:
+                return None
+            index = (ints or shaped)[0]
+            return index, _default_dims(batch[index])
+        index, count = self._checked_tokens(len(batch))
+        rank = len(batch[index].shape)
+        if not rank:
+            raise EscaleError(
+                f"Workload: tokens={self.tokens!r} names batch[{index}], a scalar, which has no "
+                "dimension to count tokens along; name an array of the batch."
+            )
+        if count is None:
+            return index, _default_dims(batch[index])
+        if count > rank:
+            raise EscaleError(
+                f"Workload: tokens={self.tokens!r} counts {count} dimensions of batch[{index}], "
+                f"which has {rank} (shape {tuple(batch[index].shape)}); pass ({index}, 2) for "
+                f"batch x sequence or ({index}, 1) for rows."
+            )
+        return index, tuple(range(count))
+
+    def _checked_tokens(self, size: int) -> tuple[int, int | None]:
+        # An index alone, or (index, dimensions); each an int, the index within the batch.
+        pair = isinstance(self.tokens, tuple) and len(self.tokens) == 2
+        index, count = self.tokens if pair else (self.tokens, None)
+        hint = "pass tokens=0 for batch[0], or tokens=(0, 2) for its first two dimensions"
+        try:
+            index = check.non_negative_int(index, "Workload tokens")
+            if count is not None:
+                count = check.positive_int(count, "Workload tokens' dimensions")
+        except (EscaleError, EscaleTypeError) as error:
+            raise type(error)(
+                f"Workload: tokens must be a batch index or an (index, dimensions) pair, got "
+                f"{check.describe(self.tokens)}; {hint}."
+            ) from None
+        if index >= size:
+            raise EscaleError(
+                f"Workload: tokens={self.tokens!r} names batch[{index}], and the batch has "
+                f"{size} array(s); {hint}."
+            )
+        return index, count
 
     @property
     def is_linen(self) -> bool:
@@ -192,6 +274,17 @@ class Workload:
     def lower_init(self, mesh: Mesh) -> jax.stages.Lowered:
         """The sharded initializer on ``mesh``, lowered (:func:`~flax_escale.lower_init`)."""
         return pipeline.lower(self.request(mesh), self.traced)[2]
+
+
+def _is_int(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.integer))
+
+
+def _default_dims(x: Any) -> tuple[int, ...]:
+    # Token ids are (batch, sequence); a float array is (batch, sequence, features) from rank
+    # 3 on, and a matrix is rows of features, each row one token.
+    rank = len(x.shape)
+    return (0, 1) if rank >= 3 or (rank == 2 and _is_int(x)) else (0,)
 
 
 def _takes(

@@ -49,8 +49,7 @@ class StatePartitioning:
         collection kept in the state (t5x's ``param_with_axes``) or in NNX variable metadata
         (``logical_axes``, ``out_sharding``). Optimizer state inherits them: leaves of the
         parameter's shape keep them all, and leaves with a dimension less (Adafactor's factored
-        statistics) get the names without it (see
-        ``flax_escale.plan._follow.follow_params``). Other leaves are ``None``. An
+        statistics) get the names without it. Other leaves are ``None``. An
         ``AxisNames`` compares equal to the ``PartitionSpec`` of the same names, which is what
         t5x's (Flax's) logical axes are.
 

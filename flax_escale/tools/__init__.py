@@ -8,6 +8,7 @@ user reaches for.
 """
 
 from flax_escale.tools._blocks import DeviceBlock
+from flax_escale.tools._check_sharded import UnshardedParameterError, check_sharded
 from flax_escale.tools._checkpoint import restore_checkpoint, save_checkpoint
 from flax_escale.tools._data import (
     batch_sharding,
@@ -19,12 +20,7 @@ from flax_escale.tools._launch import free_port, launch, process_environment
 from flax_escale.tools._memory import MemoryEstimate, will_it_fit
 from flax_escale.tools._memory_bars import MemoryBars, memory_bars, memory_by_device
 from flax_escale.tools._picture import LayoutPicture, layout_picture
-from flax_escale.tools._report import (
-    ShardingReport,
-    UnshardedParameterError,
-    check_sharded,
-    sharding_report,
-)
+from flax_escale.tools._report import ShardingReport, sharding_report
 from flax_escale.tools._reshardings import Resharding
 from flax_escale.tools._treescope import register_treescope
 

@@ -262,7 +262,7 @@ def _summary(plan: ShardingPlan, totals: list[int]) -> str:
     return (
         f"{len(plan)} arrays, {format_bytes(plan.nbytes)} in all; per device "
         f"{format_bytes(top)} max, {format_bytes(min(totals))} min, ideal "
-        f"{format_bytes(ideal)} (balance {min(totals) / top if top else 1.0:.2f}); "
+        f"{format_bytes(ideal)} (balance {top / ideal if ideal else 1.0:.2f}x the ideal share); "
         f"{len(plan.corrections)} corrections, {len(plan.completions)} idle axes put to use, "
         f"{len(plan.unannotated)} unannotated."
     )

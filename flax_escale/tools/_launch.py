@@ -66,7 +66,7 @@ def process_environment(
         MeshError: If ``coordinator_address`` is not ``host:port``.
 
     Example:
-        >>> from flax_escale.tools._launch import process_environment
+        >>> from flax_escale.tools import process_environment
         >>> process_environment(1, 2, "127.0.0.1:12355", 4)["FLAX_ESCALE_PROCESS_ID"]
         '1'
     """
@@ -273,7 +273,7 @@ def free_port() -> int:
         The port number.
 
     Example:
-        >>> from flax_escale.tools._launch import free_port
+        >>> from flax_escale.tools import free_port
         >>> 0 < free_port() < 65536
         True
     """

@@ -12,11 +12,11 @@ import dataclasses
 
 import numpy as np
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
+from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.plan import ShardingPlan
 from flax_escale.plan._leaves import _in_opt_state
@@ -116,7 +116,10 @@ class MemoryBars:
             ...
             device 7 ##|#========  12.00 KiB (params 4.00 KiB, optimizer state 8.00 KiB)
         """
-        lines = [self.caption()]
+        return f"{self.caption()}\n{self._device_lines()}"
+
+    def _device_lines(self) -> str:
+        lines = []
         for device, (params, opt) in self.by_device.items():
             bar = self._bar(params, opt, "#=|", ("", "", "")).plain
             lines.append(
@@ -128,15 +131,25 @@ class MemoryBars:
     def __str__(self) -> str:
         return self.describe()
 
-    def table(self) -> Table:
-        """The bars as a ``rich`` table: parameters, optimizer state, the ideal share ``│``."""
-        table = Table(title="memory per device")
-        for name in ("device", "█ parameters ▒ optimizer state │ ideal", "total", "params", "opt"):
-            table.add_column(name, justify="left" if name.startswith("█") else "right")
+    def table(self) -> FittedTable:
+        """The bars as a ``rich`` table: parameters, optimizer state, the ideal share ``│``.
+
+        It fits the width it is printed at: the optimizer state's column is left out when
+        there is none; as the width shrinks, the parameters' and optimizer state's bytes give
+        way, then the totals; where the bars do not fit, :meth:`describe`'s lines.
+        """
+        with_opt = any(opt for _, opt in self.by_device.values())
+        legend = "█ parameters ▒ optimizer state │ ideal" if with_opt else "█ parameters │ ideal"
+        table = FittedTable(title="memory per device", plain=self._device_lines)
+        table.add_column("device", justify="right", wrap=False)
+        table.add_column(legend, least=self.width + 1)
+        table.add_column("total", justify="right", give_way=1, wrap=False)
+        table.add_column("params", justify="right", give_way=2, wrap=False)
+        table.add_column("opt", justify="right", give_way=2, wrap=False)
         for device, (params, opt) in self.by_device.items():
             bar = self._bar(params, opt, "█▒│", ("cyan", "magenta", "bold red"))
-            sizes = (format_bytes(params + opt), format_bytes(params), format_bytes(opt))
-            table.add_row(str(device), bar, *sizes)
+            sizes = (format_bytes(params + opt), format_bytes(params))
+            table.add_row(str(device), bar, *sizes, format_bytes(opt) if with_opt else "-")
         return table
 
     def __rich__(self) -> Group:

@@ -17,12 +17,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 from treescope import rendering_parts
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_text
+from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.plan import PlanEntry, ShardingPlan
@@ -129,6 +129,10 @@ class LayoutPicture:
             6       fsdp=3 tp=0  [:, 0:3]  96 B
             7       fsdp=3 tp=1  [:, 3:6]  96 B
         """
+        return "\n".join([self.title(), self.share_text(), self._device_lines()])
+
+    def _device_lines(self) -> str:
+        # One line per device: its id, place on the mesh, block and bytes.
         rows = [("device", "position", "block", "bytes")]
         rows += [
             (
@@ -144,17 +148,18 @@ class LayoutPicture:
             "  ".join([*(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)), row[3]])
             for row in rows
         ]
-        return "\n".join([self.title(), self.share_text(), *lines])
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.describe()
 
-    def table(self) -> Table:
+    def table(self) -> FittedTable:
         """The grid as a ``rich`` table: rows and columns are mesh positions.
 
         The mesh axes of size above 1 are split in two: the first half numbers the rows, the
         rest the columns. Each cell shows the device id, its block and its bytes, coloured by
-        block, so replicas share a colour.
+        block, so replicas share a colour. Where the grid is wider than the console, a line
+        per device is printed instead, as :meth:`describe` gives them.
         """
         axes = self._split_axes()
         row_axes, column_axes = axes[: (len(axes) + 1) // 2], axes[(len(axes) + 1) // 2 :]
@@ -168,10 +173,10 @@ class LayoutPicture:
             for i, group in enumerate(self.replica_groups())
             for device in group
         }
-        table = Table(show_lines=True)
-        table.add_column(" ".join(row_axes))
+        table = FittedTable(show_lines=True, plain=self._device_lines)
+        table.add_column(" ".join(row_axes), wrap=False)
         for key in columns:
-            table.add_column(_position(column_axes, key) or "devices", justify="center")
+            table.add_column(_position(column_axes, key) or "devices", justify="center", wrap=False)
         for row_key in sorted(rows):
             cells = [
                 Text(

@@ -1,9 +1,8 @@
-"""What users look at before training: the sharding report and the is-it-sharded check."""
+"""What users look at before training: the sharding report of every array's layout."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from typing import Any
@@ -11,10 +10,10 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from rich.console import Console
-from rich.table import Table
 
 from flax_escale import _checks as check
-from flax_escale._specs import mesh_axes_of, mesh_text
+from flax_escale._specs import mesh_text
+from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.errors import EscaleError, EscaleTypeError, NoMeshError
 from flax_escale.mesh import current_mesh
@@ -27,15 +26,10 @@ from flax_escale.plan import (
 )
 from flax_escale.resolve import RulesLike, as_logical_rules
 from flax_escale.resolve._fit import Correction
-from flax_escale.sharding import spec_from_shape
 from flax_escale.sharding._measure import LayoutFigures, measure_layout
 from flax_escale.tools._html import render_html, write_html
 
-__all__ = ["ShardingReport", "UnshardedParameterError", "check_sharded", "sharding_report"]
-
-
-class UnshardedParameterError(EscaleError):
-    """Large parameters are not split over mesh axes they could use."""
+__all__ = ["ShardingReport", "sharding_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +44,9 @@ class ShardingReport(LayoutFigures):
             do not divide counts as the padded blocks XLA gives each device).
         max_device_bytes: The fullest device's bytes.
         min_device_bytes: The emptiest device's bytes.
-        balance_score: ``min / max`` device bytes (1.0 is perfect balance).
+        balance_score: ``min / max`` device bytes (1.0 when every device holds the same, which
+            a fully replicated layout also gives: :attr:`fullest_share` says how far the
+            fullest device is from its share).
         ideal_device_bytes: ``total_bytes / devices``.
         partition_stats: For each spec (as text): arrays, elements and bytes using it.
         plan: The plan the report shows (every array, its annotation, spec and corrections).
@@ -92,22 +88,65 @@ class ShardingReport(LayoutFigures):
             for e in self.plan
         ]
 
-    def table(self) -> Table:
-        """The report as a ``rich`` table."""
-        mesh = mesh_text(self.plan.mesh.shape)
-        table = Table(title=f"sharding plan on mesh ({mesh})", show_footer=True)
-        columns = (
-            "path",
-            "shape",
-            "dtype",
-            "logical axes",
-            "annotated by",
-            "spec",
-            "bytes/device",
-            "notes",
+    @property
+    def fullest_share(self) -> float:
+        """The fullest device's bytes over the ideal share (``total_bytes / devices``).
+
+        1.0 when every device holds its share; 3.0 when one holds three times its share (a
+        replicated array on 3 devices, say). ``balance_score`` (``min / max``) reads 1.0 for a
+        layout that replicates everything, as every device then holds the same.
+        """
+        return self.max_device_bytes / self.ideal_device_bytes if self.ideal_device_bytes else 1.0
+
+    def summary(self) -> str:
+        """One line: the bytes in all and per device, the balance and the corrections."""
+        return (
+            f"total {format_bytes(self.total_bytes)}; per device "
+            f"{format_bytes(self.max_device_bytes)} max, "
+            f"{format_bytes(self.min_device_bytes)} min, "
+            f"ideal {format_bytes(self.ideal_device_bytes)}; balance "
+            f"{self.fullest_share:.2f}x the ideal share (fullest device); "
+            f"{len(self.corrections)} corrections"
         )
-        for name in columns:
-            table.add_column(name, justify="right" if name == "bytes/device" else "left")
+
+    def describe(self) -> str:
+        """The report as plain text: every array (``plan.describe()``), then :meth:`summary`."""
+        return f"{self.plan.describe()}\n{self.summary()}"
+
+    def table(self) -> FittedTable:
+        """The report as a ``rich`` table that fits the width it is printed at.
+
+        Paths are folded, never cut; empty columns are left out, then, as the width shrinks,
+        who annotated each array, its dtype, its logical axes, its shape and the notes, in
+        that order; where path, spec and bytes per device do not fit, :meth:`describe`.
+        """
+        mesh = mesh_text(self.plan.mesh.shape)
+        table = FittedTable(
+            title=f"sharding plan on mesh ({mesh})",
+            show_footer=True,
+            caption=self.summary(),
+            plain=self.describe,
+        )
+        # (header, gives way, narrowest useful width, wraps); 0 never gives way.
+        columns = (
+            ("path", 0, 28, True),
+            ("shape", 2, 15, False),
+            ("dtype", 4, 8, False),
+            ("logical axes", 3, 20, True),
+            ("annotated by", 5, 12, True),
+            ("spec", 0, 20, True),
+            ("bytes/device", 0, 12, False),
+            ("notes", 1, 24, True),
+        )
+        for name, give_way, least, wrap in columns:
+            table.add_column(
+                name,
+                give_way=give_way,
+                least=least,
+                path=name == "path",
+                wrap=wrap,
+                justify="right" if name == "bytes/device" else "left",
+            )
         for row in self.rows():
             logical = "-" if row["logical_axes"] is None else str(row["logical_axes"])
             table.add_row(
@@ -122,16 +161,9 @@ class ShardingReport(LayoutFigures):
             )
         table.columns[0].footer = f"{len(self.plan)} arrays"
         table.columns[6].footer = format_bytes(self.max_device_bytes)
-        table.caption = (
-            f"total {format_bytes(self.total_bytes)}; per device "
-            f"{format_bytes(self.max_device_bytes)} max, "
-            f"{format_bytes(self.min_device_bytes)} min, "
-            f"ideal {format_bytes(self.total_bytes // self.plan.mesh.size)}"
-            f"; balance {self.balance_score:.2f}; {len(self.corrections)} corrections"
-        )
         return table
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> FittedTable:
         return self.table()
 
 
@@ -224,7 +256,7 @@ def sharding_report(
             "rich.console.Console() (or Console(file=...) to print elsewhere), or None."
         )
     _check_used(show=show, console=console, html=html, baseline=baseline)
-    plan = _as_plan(tree, mesh, rules)
+    plan = as_plan(tree, mesh, rules)
     abstract = plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan])
     report = measure_layout(abstract, plan.specs(), plan.mesh, into=ShardingReport, plan=plan)
     if show:
@@ -252,7 +284,8 @@ def _check_used(*, show: bool, console: Any, html: Any, baseline: Any) -> None:
         )
 
 
-def _as_plan(tree: Any, mesh: Mesh | AbstractMesh | None, rules: RulesLike) -> ShardingPlan:
+def as_plan(tree: Any, mesh: Mesh | AbstractMesh | None, rules: RulesLike) -> ShardingPlan:
+    """The plan a report (or ``check_sharded``) shows of ``tree``, on its one mesh."""
     mesh = check.optional_mesh(mesh)
     if isinstance(tree, ShardingPlan):
         return _plan_on(tree, mesh, rules)
@@ -355,80 +388,3 @@ def _homes_text(homes: list[tuple[Mesh | AbstractMesh, list[str]]]) -> str:
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
         parts.append(f"{paths[0]!r}{more} on ({_mesh_and_devices(mesh)})")
     return ", ".join(parts)
-
-
-def check_sharded(
-    tree: Any,
-    mesh: Mesh | None = None,
-    *,
-    rules: RulesLike = None,
-    min_bytes: int = 1 << 20,
-    tolerance: float = 0.1,
-    top: int = 5,
-) -> None:
-    """Raises if large arrays are not split over the mesh axes their shape allows.
-
-    An array of at least ``min_bytes`` passes when its bytes per device are within
-    ``tolerance`` of what the best split of its shape over the mesh's non-trivial axes would
-    give (:func:`~flax_escale.sharding.spec_from_shape` finds that split).
-
-    Args:
-        tree: As for :func:`sharding_report`.
-        mesh: The mesh; as for :func:`sharding_report`.
-        rules: Logical-axis rules for logical annotations.
-        min_bytes: Smaller arrays are not checked.
-        tolerance: Allowed excess over the best split, as a fraction.
-        top: How many of the largest offenders the error lists.
-
-    Raises:
-        UnshardedParameterError: Listing the largest offenders, their spec and bytes per device,
-            and the axes (and a spec) they could use.
-        EscaleTypeError: For ``tree`` or ``mesh`` as :func:`sharding_report` refuses them, or
-            ``min_bytes``, ``top`` not an int or ``tolerance`` not a number (``EscaleError``
-            when negative).
-        EscaleError: For ``mesh``, ``rules`` or arrays on several meshes, as
-            :func:`sharding_report` refuses them.
-
-    Example:
-        >>> import jax
-        >>> import numpy as np
-        >>> from jax.sharding import NamedSharding, PartitionSpec
-        >>> from flax_escale import check_sharded, create_mesh
-        >>> mesh = create_mesh((1, 4, 1, 2, 1))
-        >>> fsdp_only = NamedSharding(mesh, PartitionSpec("fsdp"))
-        >>> w = jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=fsdp_only)
-        >>> check_sharded({"w": w})
-        Traceback (most recent call last):
-        ...
-        flax_escale.tools._report.UnshardedParameterError: 1 large array(s) ...
-    """
-    min_bytes = check.non_negative_int(min_bytes, "min_bytes")
-    tolerance = check.non_negative_number(tolerance, "tolerance")
-    top = check.positive_int(top, "top")
-    plan = _as_plan(tree, mesh, rules)
-    sizes = dict(plan.mesh.shape)
-    offenders = []
-    for entry in plan:
-        if entry.nbytes < min_bytes:
-            continue
-        best = spec_from_shape(entry.shape, plan.mesh, min_shard_size=1)
-        best_split = math.prod(sizes[a] for e in best for a in mesh_axes_of(e))
-        actual = entry.nbytes_per_device(plan.mesh)
-        if actual > entry.nbytes / best_split * (1 + tolerance):
-            used = {a for e in entry.spec for a in mesh_axes_of(e)}
-            unused = [a for e in best for a in mesh_axes_of(e) if a not in used]
-            offenders.append((actual, entry.nbytes // best_split, entry, best, unused))
-    if offenders:
-        offenders.sort(key=lambda o: -o[0])
-        lines = [
-            f"  {e.path} {e.shape}: spec {e.spec}, {format_bytes(actual)} per device; could "
-            f"also use {unused} (for example {best}, {format_bytes(ideal)})"
-            for actual, ideal, e, best, unused in offenders[:top]
-        ]
-        raise UnshardedParameterError(
-            f"{len(offenders)} large array(s) are not sharded over the mesh "
-            f"{sizes} as far as their shapes allow (tolerance {tolerance:.0%}); the largest:\n"
-            + "\n".join(lines)
-            + "\nAnnotate them with logical names whose rules use these axes, or raise "
-            "min_bytes / tolerance."
-        )

@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import re
 import runpy
 import struct
 import subprocess
@@ -9,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from bs4 import BeautifulSoup
 from sphinx.util.inventory import InventoryFile
 from support import ROOT
 from support.browser import browse
 from support.docs import DOCS
 
 sys.path.insert(0, str(DOCS / "_ext"))
-from api_pages import NAMESPACES
+from api_pages import GROUPS, NAMESPACES
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +84,95 @@ def test_the_committed_inventories_are_what_their_script_writes():
     for site in script["ENTRIES"]:
         committed = (DOCS / "_inventories" / f"{site}.inv").read_bytes()
         assert committed == script["inventory"](site), site
+
+
+def _visible_text(page: Path) -> str:
+    """What a reader sees of a built page: its text without scripts, whitespace collapsed."""
+    soup = BeautifulSoup(page.read_text(), "html.parser")
+    for hidden in soup(["script", "style"]):
+        hidden.decompose()
+    return re.sub(r"\s+", " ", soup.get_text(" "))
+
+
+def _api_pages(site: Path) -> list[Path]:
+    return sorted((site / "api").glob("*.html"))
+
+
+def test_the_api_pages_show_public_paths_only(site):
+    # Type hints, bases and tracebacks name our objects by their public namespace.
+    private = re.compile(r"flax_escale(\.\w+)*\._\w+")
+    shown = {
+        page.name: sorted({match.group() for match in private.finditer(_visible_text(page))})
+        for page in _api_pages(site)
+    }
+    assert {name: paths for name, paths in shown.items() if paths} == {}
+    # MemoryEstimate's field, defined in flax_escale.tools._reshardings.
+    core = _visible_text(site / "api" / "core.html")
+    assert "reshardings ( tuple [ Resharding , ... ] | None )" in core
+
+
+def test_no_class_is_said_to_derive_from_object(site):
+    for page in _api_pages(site):
+        assert "Bases: object" not in _visible_text(page), page.name
+    assert "Bases: EscaleError" in _visible_text(site / "api" / "core.html")
+
+
+def test_an_api_page_opens_with_a_summary_table_of_each_kind_of_name(site):
+    soup = BeautifulSoup((site / "api" / "core.html").read_text(), "html.parser")
+    summary = soup.find("section", id="summary")
+    rubrics = [rubric.get_text() for rubric in summary.find_all(class_="rubric")]
+    assert rubrics == ["Functions", "Classes", "Errors and warnings"]  # no constants in the core
+    assert set(rubrics) <= set(GROUPS.values())
+    functions = summary.find("table")
+    first = functions.find("tr")
+    assert first.find("a")["href"] == "#flax_escale.sharded_module"
+    assert "Declares the logical axes" in first.get_text()
+    # The entries follow in the same order: the errors last.
+    sections = [section["id"] for section in soup.find_all("section") if section.get("id")]
+    assert sections[-3:] == ["functions", "classes", "errors-and-warnings"]
+
+
+def test_a_dataclass_lists_its_fields_once(site):
+    soup = BeautifulSoup((site / "api" / "core.html").read_text(), "html.parser")
+    report = soup.find(id="flax_escale.ShardingReport").parent
+    fields = report.find("dd").find(class_="field-list", recursive=False)
+    names = [term.get_text(strip=True) for term in fields.find_all("dt")]
+    assert names == ["Variables:"]
+    # A dataclass of many fields not described one by one: a short signature and their table.
+    axis = soup.find(id="flax_escale.PartitionAxis")
+    assert "(**fields)" in axis.get_text()
+    table = axis.parent.find("table")
+    assert "tensor_parallel_axis" in table.get_text()
+    assert "Ellipsis" not in axis.parent.get_text()
+
+
+def test_the_site_links_to_the_repository_and_to_the_source(site):
+    page = (site / "guides" / "getting_started.html").read_text()
+    assert 'href="https://github.com/flax-escale/flax-escale"' in page
+    core = (site / "api" / "core.html").read_text()
+    assert 'href="../_modules/flax_escale/_api.html#init_sharded"' in core
+    assert (site / "_modules" / "flax_escale" / "_api.html").is_file()
+    assert "copybutton.js" in core
+
+
+@pytest.mark.browser
+def test_a_code_line_of_the_repository_width_shows_whole_at_1280_pixels(site, chromium, tmp_path):
+    # A copy of a built page with a 100-character line in a code block, measured by the page.
+    line = "x = " + "1" * 96
+    probe = (
+        '<div class="highlight-python notranslate"><div class="highlight">'
+        f'<pre data-probe="yes"><span></span>{line}\n</pre></div></div>'
+    )
+    measure = (
+        "<script>addEventListener('load', () => { const pre = "
+        "document.querySelector('pre[data-probe]'); document.title = 'MEASURED ' + "
+        "pre.scrollWidth + ' ' + pre.clientWidth; });</script>"
+    )
+    source = site / "guides" / "getting_started.html"
+    text = source.read_text().replace("</h1>", "</h1>" + probe, 1)
+    copy = source.with_name("probe.html")
+    copy.write_text(text.replace("</body>", measure + "</body>"))
+    dom = browse(chromium, copy, tmp_path, "--dump-dom", "--window-size=1280,900")
+    scroll, client = map(int, re.search(r"MEASURED (\d+) (\d+)", dom).groups())
+    assert len(line) == 100
+    assert scroll <= client

@@ -1,3 +1,5 @@
+import argparse
+import io
 import os
 import re
 import subprocess
@@ -5,14 +7,19 @@ import sys
 
 import pytest
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
 from support.distributed import without_gloo
 from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
+from flax_escale import sizing
 
-pytestmark = [pytest.mark.slow, pytest.mark.xla]
+# The tests that run an example compile it (slow); those of the demo's command line and of its
+# choice of mesh, given a plan, compile nothing.
+pytestmark = [pytest.mark.xla]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_linen_gpt_prints_its_plan_and_its_loss_falls(capsys, tie):
     example = load("linen_gpt")
@@ -30,6 +37,7 @@ def test_linen_gpt_prints_its_plan_and_its_loss_falls(capsys, tie):
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow
 def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
     example = load("nnx_llama")
     losses = example.main(["--steps", "10", "--zero1"])
@@ -42,6 +50,7 @@ def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["capacity", "dropless"])
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_moe_examples_print_their_plan_and_their_loss_falls(capsys, api, strategy):
@@ -61,19 +70,40 @@ def test_moe_examples_print_their_plan_and_their_loss_falls(capsys, api, strateg
     assert losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["nnx", "linen"])
-def test_main_job_plans_trains_and_reports_memory(capsys, api):
+def test_main_job_plans_trains_and_reports_memory(capsys, monkeypatch, api):
+    monkeypatch.delenv("COLUMNS", raising=False)
     losses = load("train_lm").main(["--api", api, "--steps", "8", "--mesh", "dp:2,fsdp:2,tp:2"])
     out = capsys.readouterr().out
-    assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
     # The mesh plan's three best meshes of the 8 devices, each fitting the 2.5 MiB budget.
-    assert "8 devices, 2.50 MiB each, estimated on NVIDIA H100 SXM" in out
     ranks = re.findall(r"^│ ([123]) │ ((?:\w+=\d+ ?)+)\s*│\s+([\d.]+) (KiB|MiB)", out, re.M)
     assert [rank for rank, *_ in ranks] == ["1", "2", "3"], out
     assert all(float(size) <= (2.5 if unit == "MiB" else 2560) for *_, size, unit in ranks)
+    # The mesh of --mesh is trained on, after a line that says so and where the plan ranks it.
+    assert re.search(
+        r"^training on dp=2 fsdp=2 tp=2 \(8 devices\): from --mesh; the plan ", out, re.M
+    )
+    assert "sharding plan on mesh (dp=2, fsdp=2, ep=1, tp=2, sp=1)" in out
     assert "train step per cpu device: arguments" in out
-    assert "parameters + optimizer state" in out
+    state_line = r"^parameters and optimizer state: total [\d.]+ (KiB|MiB); per device"
+    assert re.search(state_line, out, re.M)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_main_job_with_no_plan_trains_on_the_default_mesh_without_planning(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    losses = load("train_lm").main(["--no-plan", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "planning" not in out
+    assert "estimated on" not in out  # no mesh plan table
+    assert (
+        "training on fsdp=4 tp=2 (8 devices): the default on cpu devices, dp:1,fsdp:4,tp:2 "
+        "(--no-plan: not ranked)"
+    ) in out
+    assert "sharding plan on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)" in out
+    assert len(losses) == 2
 
 
 def test_main_job_rejects_an_unknown_axis():
@@ -82,28 +112,187 @@ def test_main_job_rejects_an_unknown_axis():
         load("train_lm").main(["--mesh", "model:8"])
 
 
+@pytest.mark.slow
 def test_quick_start_command_one_runs_in_a_fresh_process():
     # JAX_PLATFORMS names an accelerator, as a GPU image may: the demo must still choose the
     # CPU (before any backend starts) and find its 8 devices. Without that choice JAX would
     # start CUDA here (no such backend on a CPU host, the mesh-size error on a GPU host).
+    env = {**os.environ, "JAX_PLATFORMS": "cuda"}
+    env.pop("COLUMNS", None)  # a log's width
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_lm.py"), "--steps", "3"],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
-        env={**os.environ, "JAX_PLATFORMS": "cuda"},
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "backend cpu: 8 devices (simulated on the host CPU)"
-    assert "sharding plan on mesh (dp=1, fsdp=4, ep=1, tp=2, sp=1)" in done.stdout
+    # Its output is a pipe, not a terminal (no progress bar): a line says what planning costs.
+    assert lines[1].startswith("planning the meshes of 8 devices: compiling up to 10 candidates")
+    # It trains on the plan's first mesh (--mesh auto, the default), and says so.
+    first = re.search(r"^│ 1 │ (\w+=\d+(?: \w+=\d+)*)\s*│", done.stdout, re.M)
+    assert first, done.stdout
+    shape = dict(axis.split("=") for axis in first[1].split())
+    said = re.search(
+        rf"^training on {first[1]} \(8 devices\): the planner's pick", done.stdout, re.M
+    )
+    assert said, done.stdout
+    sizes = ", ".join(f"{axis}={shape.get(axis, 1)}" for axis in ("dp", "fsdp", "ep", "tp", "sp"))
+    assert f"sharding plan on mesh ({sizes})" in done.stdout
     # The summary line, not just the word (the progress bar says "loss" too).
     summary = re.search(r"^loss \d+\.\d{4} -> \d+\.\d{4} in 3 steps \(", done.stdout, re.M)
     assert summary, done.stdout
     # The plan's notes name any array XLA replicates to split it again: the demo has none, on
     # every JAX the suite runs on (the embedding's gradient once had three on jaxlib >= 0.11).
     assert "involuntary rematerialization" not in done.stdout, done.stdout
+
+
+def test_main_job_gives_every_option_help_text(capsys):
+    parser = load("train_lm").build_parser()
+    options = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+    assert {"--api", "--steps", "--batch", "--mesh", "--no-plan", "--devices"} <= {
+        flag for action in options for flag in action.option_strings
+    }
+    for action in options:
+        assert (action.help or "").strip(), action.option_strings
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    # argparse wraps the text, at hyphens too: compared without the white space.
+    text = "".join(capsys.readouterr().out.split())
+    for action in options:
+        assert "".join((action.help % vars(action)).split()) in text
+
+
+def _plan(*meshes, fits=2):
+    """A plan of 8 devices with 2.5 MiB each: the first ``fits`` meshes fit, in this order."""
+    figures = []
+    for rank, label in enumerate(meshes):
+        shape = {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1, "sp": 1}
+        shape.update({axis: int(size) for axis, size in (a.split("=") for a in label.split())})
+        peak = 2**20 if rank < fits else 3 * 2**20
+        collectives = {"all-reduce": [1.0, 2.0**20 * (rank + 1), 2.0**20 * (rank + 1)]}
+        figures.append(
+            sizing.Figures(
+                shape,
+                "compiled",
+                state_bytes=2**18,
+                init_peak_bytes=peak,
+                step_peak_bytes=peak,
+                flops=1e9,
+                collectives=collectives,
+            )
+        )
+    return sizing.MeshPlan.rank(
+        figures,
+        sizing.hardware_profile("h100"),
+        devices=8,
+        memory_bytes=sizing.parse_bytes("2.5MiB"),
+        rules=None,
+        seconds=1.0,
+        time_budget=None,
+        backend="XLA:CPU, 8 simulated devices",
+    )
+
+
+def _choose(monkeypatch, devices, argv, plan=None, terminal=False):
+    """What the demo prints and trains on before its model is built, given the plan."""
+    train_lm = load("train_lm")
+    asked = []
+
+    def plan_mesh(workload, **options):
+        asked.append(options)
+        if plan is None:
+            raise AssertionError("planned with --no-plan")
+        return plan
+
+    monkeypatch.setattr(sizing, "plan_mesh", plan_mesh)
+    out = io.StringIO()
+    # Narrower than its lines, which stay whole: a log is searched by line.
+    console = Console(file=out, width=80, force_terminal=terminal)
+    args = train_lm.build_parser().parse_args(argv)
+    mesh = train_lm.choose_mesh(args, devices, console)
+    return dict(mesh.shape), out.getvalue(), asked
+
+
+def test_main_job_trains_on_the_planners_pick_and_says_why(monkeypatch, devices):
+    plan = _plan("dp=4 tp=2", "fsdp=8", "fsdp=4 tp=2")
+    shape, out, asked = _choose(monkeypatch, devices, [], plan)
+    assert len(asked) == 1
+    assert asked[0]["devices"] == 8
+    assert asked[0]["memory"] == "2.5MiB"
+    assert asked[0]["axes"] == ("dp", "fsdp", "tp")
+    assert shape == {"dp": 4, "fsdp": 1, "ep": 1, "tp": 2, "sp": 1}
+    lines = out.splitlines()
+    # Its output is not a terminal: a line before planning says what a cold plan costs.
+    assert lines[0] == (
+        "planning the meshes of 8 devices: compiling up to 10 candidates, a minute or two the "
+        "first time (cached after)..."
+    )
+    # The plan's table, then which mesh is trained on and why, after it.
+    assert out.index("dp=4 tp=2 ") < out.index("training on")
+    assert lines[-1] == (
+        "training on dp=4 tp=2 (8 devices): the planner's pick, the fastest estimated step of "
+        "the 2 meshes that fit 2.5MiB per device (--mesh to choose another)"
+    )
+
+
+def test_main_job_says_nothing_before_planning_on_a_terminal(monkeypatch, devices):
+    # The progress bar shows there instead.
+    _, out, _ = _choose(monkeypatch, devices, [], _plan("dp=4 tp=2"), terminal=True)
+    assert "planning the meshes" not in out
+
+
+@pytest.mark.parametrize(
+    ("mesh", "why"),
+    [
+        (
+            "dp:4,tp:2",
+            "the plan ranks it #1 of the 2 that fit 2.5MiB per device (the planner's pick too)",
+        ),
+        (
+            "fsdp:8",
+            "the plan ranks it #2 of the 2 that fit 2.5MiB per device; --mesh auto trains on #1",
+        ),
+        ("fsdp:4,tp:2", "the plan finds that it does not fit 2.5MiB per device"),
+        (
+            "dp:2,fsdp:2,tp:2",
+            "the plan did not consider it (it spreads the devices over dp, fsdp and tp only)",
+        ),
+    ],
+)
+def test_main_job_says_where_the_plan_ranks_the_mesh_of_its_mesh_flag(
+    monkeypatch, devices, mesh, why
+):
+    plan = _plan("dp=4 tp=2", "fsdp=8", "fsdp=4 tp=2")
+    shape, out, _ = _choose(monkeypatch, devices, ["--mesh", mesh], plan)
+    label = " ".join(f"{axis}={size}" for axis, size in shape.items() if size > 1)
+    assert label == mesh.replace(":", "=").replace(",", " ")
+    assert out.splitlines()[-1] == f"training on {label} (8 devices): from --mesh; {why}"
+
+
+def test_main_job_trains_on_the_default_mesh_when_no_mesh_fits(monkeypatch, devices):
+    shape, out, _ = _choose(monkeypatch, devices, [], _plan("dp=4 tp=2", "fsdp=8", fits=0))
+    assert shape == {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2, "sp": 1}
+    assert out.splitlines()[-1] == (
+        "training on fsdp=4 tp=2 (8 devices): the default on cpu devices, dp:1,fsdp:4,tp:2, as no "
+        "mesh fits 2.5MiB per device"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "label", "why"),
+    [
+        ([], "fsdp=4 tp=2", "the default on cpu devices, dp:1,fsdp:4,tp:2 (--no-plan: not ranked)"),
+        (["--mesh", "dp:2,fsdp:2,tp:2"], "dp=2 fsdp=2 tp=2", "from --mesh (--no-plan: not ranked)"),
+    ],
+)
+def test_main_job_with_no_plan_skips_planning_and_says_so(monkeypatch, devices, argv, label, why):
+    _, out, asked = _choose(monkeypatch, devices, ["--no-plan", *argv])
+    assert asked == []
+    assert out == f"training on {label} (8 devices): {why}\n"
 
 
 def test_main_job_on_accelerators_puts_every_device_on_fsdp(devices):
@@ -141,6 +330,7 @@ def _run_multihost(num_processes, local_devices, tmp_path):
     return without_gloo(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_multihost_example_on_two_processes_equals_one(tmp_path):
     two = _run_multihost(2, 4, tmp_path)

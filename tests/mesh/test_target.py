@@ -67,6 +67,19 @@ def test_cpu_is_simulated_devices_labelled_as_such():
     assert Target.named(target) is target
 
 
+@pytest.mark.parametrize(("gpu", "memory"), [("h100", 80 * 10**9), ("h200", 141 * 10**9)])
+def test_a_gpu_name_is_simulated_cpu_devices_with_the_gpus_memory_and_profile(gpu, memory):
+    # No GPU compiler runs without a GPU: XLA:CPU compiles, and the label says so.
+    target = Target.named(f"{gpu}-8")
+    assert (target.platform, target.device_count, target.topology) == ("cpu", 8, None)
+    assert (target.memory_bytes, target.profile) == (memory, gpu)
+    assert fe.sizing.PROFILES[gpu].memory_bytes == memory
+    assert target.label == f"XLA:CPU, 8 simulated devices standing in for {gpu}-8's GPUs"
+    assert target.devices() == jax.devices("cpu")[:8]
+    assert Target.named(f"{gpu}-8", devices=8) == target
+    assert Target(**target.as_json()) == target  # as the planner's child rebuilds it
+
+
 def test_slices_join_over_dcn_with_data_parallelism_across_them():
     target = Target.named("v5e-8", slices=2)
     assert target.device_count == 16
@@ -90,8 +103,11 @@ def test_slices_join_over_dcn_with_data_parallelism_across_them():
         (lambda: Target.named("cpu", devices=8, slices=2), fe.EscaleError, r"pass slices=1"),
         (lambda: Target.named(8), fe.EscaleTypeError, r"target must be a name.*got int 8"),
         (lambda: Target.named("v5e-8", slices=0), fe.EscaleError, r"slices"),
-        (lambda: Target.named("h100-8"), fe.EscaleError, r"GPU clusters.*target='cpu'.*h100"),
-        (lambda: Target.named("gpu"), fe.EscaleError, r"GPU clusters are not a target yet"),
+        (lambda: Target.named("b200-8"), fe.EscaleError, r"'b200-8': the GPU targets are 'a100-N'"),
+        (lambda: Target.named("gpu"), fe.EscaleError, r"'h100-N'.*profile=HardwareProfile"),
+        (lambda: Target.named("h100-0"), fe.EscaleError, r"'h100-0'.*from 1 to 4096.*'h100-8'"),
+        (lambda: Target.named("h100-8", devices=4), fe.EscaleError, r"has 8 GPUs.*'h100-4'"),
+        (lambda: Target.named("h100-8", slices=2), fe.EscaleError, r"slices.*pass slices=1"),
         (lambda: Target.named("cpu", devices=64).devices(), fe.EscaleError, r"has 8; set jax"),
     ],
 )

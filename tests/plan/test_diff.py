@@ -3,6 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 from support.mlp_plan import Mlp, mlp_plan
+from support.wide_tables import WIDTHS, assert_readable, header_cells, rendered, transformer_plan
 
 from flax_escale.errors import EscaleTypeError
 
@@ -57,3 +58,32 @@ def test_diff_of_corrections_and_its_table():
 def test_diff_refuses_what_is_not_a_plan():
     with pytest.raises(EscaleTypeError, match=r"other must be a ShardingPlan, got dict {}"):
         mlp_plan().diff({})
+
+
+# --- the table at every width ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_diff_table_reads_at_every_width_in_a_log(width):
+    # The same train state on fsdp=4 tp=2 and on fsdp=8: most arrays change spec or bytes.
+    diff = transformer_plan((1, 4, 1, 2, 1)).diff(transformer_plan((1, 8, 1, 1, 1)))
+    assert len(diff) > 30
+    text = rendered(diff.table(), width)
+    assert_readable(text, width, [c.path for c in diff])
+    shown = header_cells(text)
+    assert shown[0] == "path"
+    assert {"spec before", "spec after"} <= set(shown)
+    # Left out in this order as the width shrinks: notes, the bytes, what changed.
+    order = ["path", "what", "spec before", "spec after", "before", "after", "notes"]
+    assert shown == [c for c in order if c in shown]
+    assert ("notes" in shown) == (width >= 160)
+    assert ("what" in shown) == (width >= 100)
+
+
+def test_a_diff_of_no_notes_leaves_the_column_out_and_narrow_it_is_plain():
+    diff = mlp_plan().diff(mlp_plan(mesh=(1, 8, 1, 1, 1)))
+    assert "notes" not in header_cells(rendered(diff.table(), 200))
+    text = rendered(diff, 40)
+    assert text.startswith(" ".join(diff.summary().split()[:3]))
+    assert "┃" not in text
+    assert_readable(text, 40, [c.path for c in diff])

@@ -114,3 +114,13 @@ def test_rules_naming_an_axis_the_meshes_lack_are_the_reason_given(monkeypatch):
         r"map the logical names to the library's mesh axes",
     ):
         plan(workload(rules=rules))
+
+
+def test_a_gpu_target_plans_on_simulated_devices_with_the_gpus_memory_and_profile():
+    result = plan(target="h100-2", memory=None, time_budget=0)
+    assert (result.devices, result.memory_bytes) == (2, 80 * 10**9)
+    assert result.profile == fe.sizing.PROFILES["h100"]
+    assert result.backend == "XLA:CPU, 2 simulated devices standing in for h100-2's GPUs"
+    assert "compiled by XLA:CPU, 2 simulated devices standing in for h100-2's GPUs" in (
+        result.title()
+    )

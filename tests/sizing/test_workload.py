@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 from support.mistakes import MISTAKE, T, case, raises_a_library_error
 from support.tiny_workloads import FAILED, Tiny, X, nnx_workload, plan, workload
 
@@ -123,12 +124,83 @@ CASES = [
         r"must be a mapping of keyword arguments.*init_kwargs=\{'train': False\}",
         id="Workload-init-kwargs-int",
     ),
+    # --- which batch dimensions count tokens ---------------------------------------------
+    case(
+        lambda: workload(tokens="ids"),
+        T,
+        "Workload: tokens",
+        "str 'ids'",
+        r"batch index or an \(index, dimensions\) pair.*tokens=\(0, 2\)",
+        id="Workload-tokens-str",
+    ),
+    case(
+        lambda: workload(tokens=(0, 0)),
+        fe.EscaleError,
+        "Workload: tokens",
+        "tuple (0, 0)",
+        r"tokens=0 for batch\[0\]",
+        id="Workload-tokens-no-dimension",
+    ),
+    case(
+        lambda: workload(tokens=1),
+        fe.EscaleError,
+        "Workload: tokens=1",
+        "batch[1]",
+        r"the batch has 1 array\(s\); pass tokens=0",
+        id="Workload-tokens-past-the-batch",
+    ),
+    case(
+        lambda: workload(tokens=(0, 3)),
+        fe.EscaleError,
+        "Workload: tokens=(0, 3)",
+        "batch[0], which has 2 (shape (8, 16))",
+        r"pass \(0, 2\) for batch x sequence or \(0, 1\) for rows",
+        id="Workload-tokens-more-dimensions-than-the-array",
+    ),
+    case(
+        lambda: batched(X, jax.ShapeDtypeStruct((), jnp.float32), tokens=1),
+        fe.EscaleError,
+        "Workload: tokens=1",
+        "batch[1], a scalar",
+        "name an array of the batch",
+        id="Workload-tokens-a-scalar",
+    ),
 ]
 
 
 @pytest.mark.parametrize(MISTAKE, CASES)
 def test_mistake_raises_a_library_error_naming_argument_and_value(fn, exc, argument, shown, hint):
     raises_a_library_error(fn, exc, argument, shown, hint)
+
+
+IDS = jax.ShapeDtypeStruct((64, 1024), jnp.int32)
+ROWS = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+FRAMES = jax.ShapeDtypeStruct((64, 1024, 80), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens", "dims"),
+    [
+        ((IDS,), None, (0, (0, 1))),  # token ids: batch x sequence
+        ((ROWS,), None, (0, (0,))),  # rows of features: one token a row
+        ((FRAMES,), None, (0, (0, 1))),  # batch x sequence x features
+        ((ROWS, IDS), None, (1, (0, 1))),  # the token ids, wherever they are
+        ((jax.ShapeDtypeStruct((64,), jnp.int32),), None, (0, (0,))),
+        ((jax.ShapeDtypeStruct((), jnp.float32),), None, None),
+        ((ROWS, IDS), 0, (0, (0,))),  # said: batch[0], by the default's rule
+        ((ROWS, IDS), (0, 2), (0, (0, 1))),  # said: batch[0]'s first two dimensions
+        ((IDS,), (0, 1), (0, (0,))),
+    ],
+)
+def test_the_token_dimensions_are_those_a_user_counts_tokens_along(batch, tokens, dims):
+    assert batched(*batch, tokens=tokens).token_dims == dims
+
+
+def batched(*batch, tokens=None):
+    """An NNX workload of this batch (not traced: only its fields are looked at)."""
+    return sizing.Workload(
+        lambda rngs: nnx.Linear(16, 32, rngs=rngs), 0, tx=optax.sgd(0.1), batch=batch, tokens=tokens
+    )
 
 
 class _Dropping(nn.Module):

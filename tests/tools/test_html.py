@@ -322,11 +322,16 @@ def _axes(spec):
 @pytest.fixture
 def examples_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
+    # The command sizes JAX's simulated devices to its mesh where the backend has not started
+    # yet; in this process the suite's 8 devices stand, whichever test a worker runs first.
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
 
 
 def test_the_command_line_prints_the_report_and_writes_the_page(
-    examples_importable, tmp_path, capsys
+    examples_importable, tmp_path, capsys, monkeypatch
 ):
+    # A log that names no width gets 160 columns, where every path of this model fits unfolded.
+    monkeypatch.delenv("COLUMNS", raising=False)
     target = tmp_path / "out.html"
     argv = ["report", "nnx_llama:workload", "--mesh", "dp:1,fsdp:4,tp:2", "--html", str(target)]
     code = main([*argv, "--baseline-mesh", "fsdp:8"])

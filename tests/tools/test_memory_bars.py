@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.pictures import Up, dense, optimizer_plan, render
+from support.wide_tables import WIDTHS, assert_readable, header_cells, rendered, transformer_plan
 
 import flax_escale as fe
 from flax_escale._units import format_bytes
@@ -64,3 +65,22 @@ def test_memory_errors():
     plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
     with pytest.raises(fe.EscaleError, match=r"width"):
         memory_bars(plan, width=0)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_memory_bars_read_at_every_width_in_a_log(width):
+    bars = memory_bars(transformer_plan())
+    text = rendered(bars, width)
+    assert_readable(text, width, [str(device) for device in bars.by_device])
+    shown = header_cells(text)
+    assert shown[:2] == ["device", "█ parameters ▒ optimizer state │ ideal"]
+    # The parameters' and optimizer state's bytes give way together, then the totals.
+    assert ("params" in shown) == ("opt" in shown) == (width >= 100)
+
+
+def test_memory_bars_of_no_optimizer_state_leave_its_column_out():
+    plan = fe.plan_sharding(Up, fe.create_mesh((1, 4, 1, 2, 1)), 0)
+    text = rendered(memory_bars(plan), 120)
+    assert header_cells(text) == ["device", "█ parameters │ ideal", "total", "params"]
+    assert "▒" not in text
+    assert "device 0" in rendered(memory_bars(plan), 40)  # the plain lines

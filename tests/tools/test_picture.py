@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from support.pictures import Up, dense, render
+from support.wide_tables import WIDTHS, rendered, transformer_plan
 
 import flax_escale as fe
 from flax_escale.tools import LayoutPicture, layout_picture
@@ -263,3 +264,20 @@ def test_a_picture_renders_in_treescope_with_its_blocks(mesh):
 
 def test_layout_picture_is_exported():
     assert fe.tools.LayoutPicture is LayoutPicture
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_picture_reads_at_every_width_in_a_log(width):
+    # Four columns of 4-dimensional blocks: a grid at 120 columns, a line per device at 80.
+    path = "opt_state/0/mu/blocks/attention/q_proj/kernel"
+    picture = layout_picture(transformer_plan((1, 2, 1, 4, 1)), path=path)
+    text = rendered(picture, width)
+    assert max(map(len, text.splitlines())) <= width
+    assert "…" not in text
+    assert path in re.sub(r"\s", "", text)  # the title, wrapped at its spaces only
+    for d in picture.devices:
+        assert d.block_text(picture.shape) in text
+    grid = any(line.startswith("┡") for line in text.splitlines())
+    assert grid == (width >= 120)
+    if not grid:
+        assert picture.describe().splitlines()[2] in text.splitlines()  # the device lines

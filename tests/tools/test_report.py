@@ -1,3 +1,4 @@
+import inspect
 import io
 
 import flax.linen as nn
@@ -11,9 +12,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from support.mistakes import MISTAKE, T, case, mesh_dp_tp, params, raises_a_library_error
+from support.wide_tables import (
+    WIDTHS,
+    assert_readable,
+    column,
+    header_cells,
+    rendered,
+    transformer_plan,
+)
 
 import flax_escale as fe
 from flax_escale import linen as fel
+from flax_escale import sizing
+from flax_escale.__main__ import main
 
 
 @fe.sharded_module({"kernel": ("hidden_state", "mlp_intermediate"), "bias": ("mlp_intermediate",)})
@@ -36,7 +47,9 @@ def test_report_of_a_plan_lists_every_array_with_figures():
     text = console.file.getvalue()
     for word in ("wi/kernel", "wi/bias", "(64, 256)", "float32", "mlp_intermediate", "8.00 KiB"):
         assert word in text
-    assert "balance 1.00" in text
+    # Each device holds 1/8 of the kernel and half the bias: a little above its share.
+    assert report.fullest_share == report.max_device_bytes / (report.total_bytes / 8)
+    assert f"balance {report.fullest_share:.2f}x the ideal share" in " ".join(text.split())
     assert report.total_bytes == (64 * 256 + 256) * 4
     assert report.max_device_bytes == report.min_device_bytes == 64 * 256 * 4 // 8 + 256 * 4 // 2
     rows = {row["path"]: row for row in report.rows()}
@@ -186,76 +199,123 @@ def test_what_would_go_unused_is_refused():
     assert "0 array(s) differ" in console.file.getvalue()
 
 
-def test_check_sharded_passes_good_layouts_and_names_offenders():
-    mesh = fe.create_mesh((1, 4, 1, 2, 1))
-    good = {
-        "w": jax.ShapeDtypeStruct(
-            (1024, 1024), np.float32, sharding=NamedSharding(mesh, P("fsdp", "tp"))
+# --- the table at every width ------------------------------------------------------------
+
+
+# The columns shown at each width: the rest give way, annotated by first, then dtype, logical
+# axes, shape and notes; path, spec and bytes per device never do.
+SHOWN = {
+    80: ["path", "spec", "bytes/device"],
+    100: ["path", "spec", "bytes/device", "notes"],
+    120: ["path", "shape", "spec", "bytes/device", "notes"],
+    160: ["path", "shape", "dtype", "logical axes", "spec", "bytes/device", "notes"],
+}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_table_reads_at_every_width_in_a_log(width):
+    plan = transformer_plan()
+    text = rendered(fe.sharding_report(plan, show=False).table(), width)
+    assert_readable(text, width, [e.path for e in plan])
+    assert header_cells(text) == SHOWN[width]
+    said = " ".join(text.split())
+    assert "1 corrections" in said
+    if "notes" in SHOWN[width]:  # the bias's correction
+        assert "size 3 is not divisible" in said
+
+
+def test_the_table_leaves_out_empty_notes_and_gives_way_in_order():
+    plan = transformer_plan(corrected=False)
+    report = fe.sharding_report(plan, show=False)
+    wide, laptop = rendered(report.table(), 160), rendered(report.table(), 100)
+    assert "notes" not in header_cells(wide)
+    assert header_cells(laptop) == ["path", "shape", "spec", "bytes/device"]
+    said = " ".join(laptop.split())
+    assert "(left out at this width: dtype, logical axes, annotated by)" in said
+
+
+def test_below_its_key_columns_the_plain_report_is_printed():
+    plan = transformer_plan()
+    report = fe.sharding_report(plan, show=False)
+    text = rendered(report, 50)
+    assert "┃" not in text
+    assert_readable(text, 50, [e.path for e in plan])
+    assert " ".join(report.summary().split()) in " ".join(text.split())
+
+
+def test_balance_is_the_fullest_devices_share_over_the_ideal():
+    # Arrays below IDLE_AXES_MIN_BYTES, so that the plan leaves them as they are given.
+    mesh = fe.create_mesh((1, 8, 1, 1, 1))
+    whole = NamedSharding(mesh, P())  # replicated: every device holds it all
+    big = jax.ShapeDtypeStruct((256, 256), np.float32, sharding=whole)
+    split = jax.ShapeDtypeStruct((256, 256), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    report = fe.sharding_report({"w": big}, show=False)
+    assert report.balance_score == 1.0  # min / max: every device holds the same
+    assert report.fullest_share == 8.0
+    assert "balance 8.00x the ideal share" in " ".join(rendered(report, 120).split())
+    # Each device holds all of one and 1/8 of the other: 9 / 16 of everything, where its
+    # share is 1 / 8.
+    report = fe.sharding_report({"w": big, "v": split}, show=False)
+    assert report.fullest_share == pytest.approx((9 / 16) / (1 / 8))
+    assert "balance 4.50x the ideal share" in report.summary()
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+class Corrected(nn.Module):
+    """A kernel of 6 rows on fsdp=4 and a batch of 6 constrained over it: both corrected."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = fe.constrain(x, ("batch", "hidden_state"))
+        init = nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("hidden_state", "mlp_intermediate")
         )
-    }
-    fe.check_sharded(good)
-    half = {
-        "big": jax.ShapeDtypeStruct(
-            (1024, 1024), np.float32, sharding=NamedSharding(mesh, P("fsdp"))
-        ),
-        "replicated": jax.ShapeDtypeStruct(
-            (2048, 1024), np.float32, sharding=NamedSharding(mesh, P())
-        ),
-        "small": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P())),
-    }
-    with pytest.raises(fe.UnshardedParameterError, match=r"2 large array\(s\)") as caught:
-        fe.check_sharded(half)
-    message = str(caught.value)
-    assert message.index("replicated") < message.index("big")  # largest first
-    assert "could also use ['tp']" in message
-    assert "small" not in message
-    fe.check_sharded(half, min_bytes=1 << 30)
-    fe.check_sharded({"big": half["big"]}, tolerance=1.0)
+        return x @ self.param("kernel", init, (x.shape[-1], 32))
+
+
+_SOURCE, _START = inspect.getsourcelines(Corrected.__call__)
+LINE = _START + next(i for i, line in enumerate(_SOURCE) if "fe.constrain" in line)
+
+
+def corrected_workload():
+    batch = (jax.ShapeDtypeStruct((6, 6), jnp.float32),)
+    return sizing.Workload(Corrected(), 0, batch, tx=optax.adam(1e-3))
+
+
+def test_the_command_line_shows_corrections_as_notes_not_warnings(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")
+    # The command sizes JAX's simulated devices to its mesh where the backend has not started
+    # yet; in this process the suite's 8 devices stand, whichever test a worker runs first.
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+    code = main(["report", f"{__name__}:corrected_workload", "--mesh", "fsdp:4,tp:2"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.err == ""  # no warning's text
+    out = captured.out
+    assert "Warning" not in out
+    assert "/" + __file__.split("/")[1] not in out  # no absolute path of this machine
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "notes" in header_cells(out)
+    assert "size 6 is not divisible" in " ".join(column(out, 4))  # the kernel's note
+    said = " ".join(out.split())
+    assert "1 corrections" in said
+    # The constraint's correction, below: where, what was asked, what was dropped.
+    below = out[out.index("1 activation constraint(s) corrected while tracing the step") :]
+    where = "".join(column(below, 0))  # relative to the working folder
+    assert where.endswith(f"test_report.py:{LINE}")
+    assert not where.startswith("/")
+    assert (
+        " ".join(column(below, 1)).strip() == "('batch', 'hidden_state') on (6, 6) -> P(None, 'tp')"
+    )
+    assert " ".join(column(below, 2)).startswith("dimension 0 (batch): size 6 is not divisible")
+    assert " ".join(column(below, 2)).endswith("dropped ('fsdp', 'dp')")
 
 
 # --- mistakes: each raises a library error naming the argument and showing the value ----
 
 CASES = [
-    case(
-        lambda: fe.check_sharded(params(), "dp:8"),
-        T,
-        "mesh",
-        "'dp:8'",
-        "parse_mesh_from_string",
-        id="check_sharded-mesh-string",
-    ),
-    case(
-        lambda: fe.check_sharded("params", mesh_dp_tp()),
-        T,
-        "tree",
-        "'params'",
-        r"variables\['params'\]",
-        id="check_sharded-string",
-    ),
-    case(
-        lambda: fe.check_sharded(42, mesh_dp_tp()),
-        T,
-        "tree",
-        "int 42",
-        "pytree of arrays",
-        id="check_sharded-int",
-    ),
-    case(
-        lambda: fe.check_sharded(None, mesh_dp_tp()),
-        T,
-        "tree",
-        "None",
-        "pytree of arrays",
-        id="check_sharded-none",
-    ),
-    case(
-        lambda: fe.check_sharded({"w": "kernel"}, mesh_dp_tp()),
-        T,
-        "tree",
-        "{'w': 'kernel'}",
-        "no array leaf",
-        id="check_sharded-no-arrays",
-    ),
     case(
         lambda: fe.sharding_report("params", mesh_dp_tp(), show=False),
         T,
@@ -263,54 +323,6 @@ CASES = [
         "'params'",
         r"variables\['params'\]",
         id="sharding_report-string",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), min_bytes="1MB"),
-        T,
-        "min_bytes",
-        "'1MB'",
-        "int of at least 0",
-        id="check_sharded-min_bytes-string",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), min_bytes=-1),
-        fe.EscaleError,
-        "min_bytes",
-        "-1",
-        "int of at least 0",
-        id="check_sharded-min_bytes-negative",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), tolerance="0.1"),
-        T,
-        "tolerance",
-        "'0.1'",
-        "not a string",
-        id="check_sharded-tolerance-string",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), tolerance=-0.1),
-        fe.EscaleError,
-        "tolerance",
-        "-0.1",
-        "at least 0",
-        id="check_sharded-tolerance-negative",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), top="5"),
-        T,
-        "top",
-        "'5'",
-        "pass the int 5",
-        id="check_sharded-top-string",
-    ),
-    case(
-        lambda: fe.check_sharded(params(), mesh_dp_tp(), rules="batch"),
-        T,
-        "rules",
-        "'batch'",
-        "pairs",
-        id="check_sharded-rules-string",
     ),
     case(
         lambda: fe.sharding_report(params(), mesh_dp_tp(), console="stdout"),

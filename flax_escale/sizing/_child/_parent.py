@@ -46,6 +46,7 @@ class Events:
         self.compiling: Figures | None = None  # handed to the compiler, not yet reported
         self.error: dict[str, str] | None = None  # the library error that ended a child
         self.rules: Any = None
+        self.front_end = "linen"  # the workload's Flax API, for the recommendation's code
         budget_text = f", time budget {budget:g} s" if budget is not None else ""
         self.progress = Progress(
             TextColumn(f"planning {devices} devices{budget_text}: {{task.description}}"),
@@ -81,6 +82,7 @@ class Events:
                 self.progress.update(self.task, advance=1, description=f"{figures.label} done")
         elif event["event"] == "rules":
             self.rules = event["rules"]
+            self.front_end = event["front_end"]
         elif event["event"] == "error":
             self.error = event
 

@@ -85,8 +85,9 @@ def frozen_rules(rules: Any) -> tuple[tuple[str, Any], ...] | None:
 
 
 def evaluate_request(workload: Workload, request: Request, report: Report) -> list[Figures]:
-    """Reports the workload's rules, then evaluates it as asked (:func:`evaluate`'s events)."""
-    report({"event": "rules", "rules": frozen_rules(workload.rules)})
+    """Reports the workload's rules and Flax API, then evaluates it (:func:`evaluate`'s events)."""
+    front_end = "linen" if workload.is_linen else "nnx"
+    report({"event": "rules", "rules": frozen_rules(workload.rules), "front_end": front_end})
     return evaluate(
         workload,
         request.target,
