@@ -9,6 +9,7 @@ there too.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -73,8 +74,22 @@ def test_readme_links_finds_every_kind_of_link():
 def dists(tmp_path_factory) -> dict[str, Path]:
     """The sdist and the wheel, the wheel built from the sdist (build's default), as a release."""
     out = tmp_path_factory.mktemp("dist")
+    # Built from a copy of the repository's files, as a release checkout holds them: the test
+    # suite's other workers write into the working tree (bytecode, build metadata) while
+    # setuptools copies it, and a file that changes under the copy fails the build.
+    source = tmp_path_factory.mktemp("source")
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     built = subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=900,
