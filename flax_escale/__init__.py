@@ -5,6 +5,7 @@ resolver, constraints, the front-end entry points, the tools around training, ch
 multi-host data and the errors. The rest is organized by layer and by audience:
 
 - :mod:`flax_escale.linen` and :mod:`flax_escale.nnx`: what is specific to one Flax API.
+- :mod:`flax_escale.pipeline`: pipeline parallelism over a ``pp`` mesh axis.
 - :mod:`flax_escale.sizing`: which mesh of N devices fits a model and trains it fastest,
   planned on one CPU machine (``plan_mesh``, ``python -m flax_escale plan``).
 - :mod:`flax_escale.t5x`: t5x.partitioning's vocabulary (``Partitioner``, mesh builders, ...).
@@ -22,6 +23,7 @@ from flax_escale import (  # noqa: F401 (the namespaces)
     linen,
     moe,
     nnx,
+    pipeline,
     plan,
     sizing,
     t5x,

@@ -52,6 +52,7 @@ EXPECTED = {
         "init_cache_info",
         "init_train_state",
         "jit_train_step",
+        "pipelined",
     ],
     "flax_escale.nnx": [
         "LOGICAL_AXES",
@@ -59,6 +60,7 @@ EXPECTED = {
         "clear_init_cache",
         "init_cache_info",
         "init_optimizer",
+        "pipeline_stack",
         "stack_layers",
         "stacked",
     ],
@@ -82,6 +84,7 @@ EXPECTED = {
     "flax_escale.mesh": [
         "DEFAULT_AXIS_DIMS",
         "DEFAULT_AXIS_NAMES",
+        "PIPELINE_AXIS",
         "TPU_GENERATIONS",
         "AxisTypeLike",
         "ClusterInfo",
@@ -146,6 +149,14 @@ EXPECTED = {
         "specs_from_regex",
         "use_sharding",
         "with_sharding_constraint",
+    ],
+    "flax_escale.pipeline": [
+        "REMAT_POLICIES",
+        "PipelineError",
+        "Remat",
+        "Schedule",
+        "pipeline",
+        "stage_rules",
     ],
     "flax_escale.moe": [
         "EXPERT_AXES",

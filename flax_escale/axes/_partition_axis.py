@@ -30,7 +30,7 @@ _MESH_FIELDS = (
 # Names that are usually larger than the hidden size: they get the tensor-parallel axis first, so
 # that hidden_state falls back to (fsdp, sp) when it shares an array with one of them.
 # Fields that are not logical names: the mesh-axis names, and the aliases.
-_NOT_LOGICAL = (*_MESH_FIELDS, "aliases", "ep_as_fsdp")
+_NOT_LOGICAL = (*_MESH_FIELDS, "pipeline_parallel_axis", "aliases", "ep_as_fsdp")
 _WIDE = ("vocab", "head", "kv_head", "mlp_intermediate", "expert")
 # Logical names that only the generation (decode) rules look up in generation_* fields.
 _GENERATION = (
@@ -128,6 +128,13 @@ class PartitionAxis:
     It is off by default so that a model without experts keeps the specs above; MoE models
     turn it on (``bench/b10_moe.py`` measures both).
 
+    Pipelines (:mod:`flax_escale.pipeline`) are opt-in: ``pipeline_parallel_axis="pp"`` names
+    the stage mesh axis. Then ``layers``, the stacked dimension of a layer stack, defaults to
+    it (each stage's layers are born on their stage), and ``batch`` defaults to the data axes
+    and it, so that outside a pipeline the stage axis splits the batch as data parallelism
+    does. Without it (the default) no rule names a stage axis and the 5-axis specs above are
+    unchanged.
+
     :meth:`logical_axis_rules` turns the mapping into ordered Flax rules, used for parameters and
     activations alike.
 
@@ -144,6 +151,9 @@ class PartitionAxis:
         >>> moe = PartitionAxis(ep_as_fsdp=True)
         >>> moe.batch_axis, moe.expert_batch_axis
         (('fsdp', 'dp', 'ep'), ('fsdp', 'dp'))
+        >>> staged = PartitionAxis(pipeline_parallel_axis="pp")
+        >>> staged.layers_axis, staged.batch_axis, staged.mesh_axis_names
+        ('pp', ('fsdp', 'dp', 'pp'), ('pp', 'dp', 'fsdp', 'ep', 'tp', 'sp'))
     """
 
     data_parallel_axis: str = "dp"
@@ -151,6 +161,7 @@ class PartitionAxis:
     tensor_parallel_axis: str = "tp"
     sequence_parallel_axis: str = "sp"
     expert_parallel_axis: str = "ep"
+    pipeline_parallel_axis: str | None = None
 
     batch_axis: Any = ...
     sequence_axis: Any = ...
@@ -168,7 +179,7 @@ class PartitionAxis:
     attention_kv_dim_axis: Any = None
     bias_head_sequence_axis: Any = None
     bias_key_sequence_axis: Any = None
-    layers_axis: Any = None
+    layers_axis: Any = ...
 
     generation_batch_axis: Any = None
     generation_query_sequence_axis: Any = None
@@ -200,6 +211,12 @@ class PartitionAxis:
                     f"PartitionAxis.{name} must be a mesh axis name (a non-empty string), got "
                     f"{value!r}."
                 )
+        pp = self.pipeline_parallel_axis
+        if pp is not None and (not isinstance(pp, str) or not pp):
+            raise EscaleError(
+                "PartitionAxis.pipeline_parallel_axis must be a mesh axis name (a non-empty "
+                f"string) or None, got {pp!r}."
+            )
         defaults = self._derived_defaults()
         given = set()
         for field in dataclasses.fields(self):
@@ -218,8 +235,13 @@ class PartitionAxis:
     def _derived_defaults(self) -> dict[str, MeshAxes]:
         tp, sp = self.tensor_parallel_axis, self.sequence_parallel_axis
         data = (self.fully_sharded_data_parallel_axis, self.data_parallel_axis)
+        # A stage axis joins the data axes: it splits the batch wherever no pipeline runs (a
+        # pipeline's stages take it back for themselves), so no device repeats another's work.
+        pp = () if self.pipeline_parallel_axis is None else (self.pipeline_parallel_axis,)
+        batch = (*data, self.expert_parallel_axis) if self.ep_as_fsdp else data
         return {
-            "batch_axis": (*data, self.expert_parallel_axis) if self.ep_as_fsdp else data,
+            "batch_axis": (*batch, *pp),
+            "layers_axis": self.pipeline_parallel_axis,
             "expert_batch_axis": data,
             "sequence_axis": sp,
             "query_sequence_axis": sp,
@@ -257,8 +279,14 @@ class PartitionAxis:
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
-        """The five mesh-axis names in the default mesh order ``dp, fsdp, ep, tp, sp``."""
+        """The mesh-axis names in mesh order: the stage axis (when set), ``dp, fsdp, ep, tp, sp``.
+
+        The stage axis comes first: it is the outermost axis of a pipeline's mesh, the one
+        that crosses hosts (its traffic is activations, the least of any axis).
+        """
+        pp = () if self.pipeline_parallel_axis is None else (self.pipeline_parallel_axis,)
         return (
+            *pp,
             self.data_parallel_axis,
             self.fully_sharded_data_parallel_axis,
             self.expert_parallel_axis,

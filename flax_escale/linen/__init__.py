@@ -19,6 +19,7 @@ Example:
 from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.linen._annotate import ShardedMixin
 from flax_escale.linen._init import init_train_state
+from flax_escale.linen._pipeline import pipelined
 from flax_escale.linen._train import jit_train_step
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "init_cache_info",
     "init_train_state",
     "jit_train_step",
+    "pipelined",
 ]

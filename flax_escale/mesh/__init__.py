@@ -7,6 +7,7 @@ from flax_escale.mesh._cpu import cpu_context, force_cpu
 from flax_escale.mesh._creation import (
     DEFAULT_AXIS_DIMS,
     DEFAULT_AXIS_NAMES,
+    PIPELINE_AXIS,
     AxisTypeLike,
     create_cpu_mesh,
     create_mesh,
@@ -19,6 +20,7 @@ from flax_escale.mesh._target import TPU_GENERATIONS, Target
 __all__ = [
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
+    "PIPELINE_AXIS",
     "TPU_GENERATIONS",
     "AxisTypeLike",
     "ClusterInfo",

@@ -27,6 +27,7 @@ from flax_escale.mesh._shape import calculate_host_mesh_shape, resolve_axis_dims
 __all__ = [
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
+    "PIPELINE_AXIS",
     "AxisTypeLike",
     "create_cpu_mesh",
     "create_mesh",
@@ -36,6 +37,9 @@ DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)
 """The default mesh's sizes, one per default axis: every device on ``fsdp`` (``-1``)."""
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
 """The default mesh's axes: data, fully sharded data, expert, tensor and sequence parallel."""
+
+PIPELINE_AXIS = "pp"
+"""The stage axis of pipelines: opt-in, in no default mesh; mesh strings may name it."""
 
 AxisTypeLike = AxisType | str
 """A mesh axis type: a ``jax.sharding.AxisType`` or its name in any case (``"explicit"``)."""

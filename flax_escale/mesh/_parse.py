@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from flax_escale import _checks as check
 from flax_escale.errors import MeshError
-from flax_escale.mesh._creation import create_mesh
+from flax_escale.mesh._creation import PIPELINE_AXIS, create_mesh
 
 __all__ = ["parse_mesh_from_string", "parse_mesh_shape"]
 
@@ -31,6 +31,11 @@ def parse_mesh_shape(
     With ``partial=True`` the named form may leave axes out, as a command line's ``--mesh
     fsdp:4,tp:2`` does; each gets size 1, and the mesh's axis order is the order of ``names``
     (the string's order would be arbitrary for the axes it leaves out).
+
+    The named form may also give the stage axis ``pp`` (:data:`PIPELINE_AXIS`) when ``names``
+    lacks it: pipelines are opt-in, so ``"pp:2,fsdp:2,tp:2"`` adds it to the default axes.
+    With ``partial=True`` it comes first, as the outermost axis (the one a pipeline's
+    activations cross between hosts).
 
     Args:
         axis_dims: The mesh string.
@@ -55,6 +60,8 @@ def parse_mesh_shape(
         ((2, -1), ('dp', 'tp'))
         >>> parse_mesh_shape("tp:4", ["dp", "fsdp", "tp"], partial=True)
         ((1, 1, 4), ('dp', 'fsdp', 'tp'))
+        >>> parse_mesh_shape("fsdp:2,pp:4", ["dp", "fsdp", "tp"], partial=True)
+        ((4, 1, 2, 1), ('pp', 'dp', 'fsdp', 'tp'))
     """
     check.string(axis_dims, "axis_dims", "'dp:2,tp:4' or '2,4'")
     expected = check.names(names, "names")
@@ -72,7 +79,11 @@ def parse_mesh_shape(
         sizes, order = _parse_named(axis_dims, tokens, expected, partial)
         if partial:
             given = dict(zip(order, sizes, strict=True))
-            sizes, order = tuple(given.get(name, 1) for name in expected), expected
+            staged = (
+                (PIPELINE_AXIS,) if PIPELINE_AXIS in given and PIPELINE_AXIS not in expected else ()
+            )
+            order = (*staged, *expected)
+            sizes = tuple(given.get(name, 1) for name in order)
     else:
         sizes = tuple(_parse_size(axis_dims, t, t) for t in tokens)
         if len(sizes) != len(expected):
@@ -102,10 +113,10 @@ def _parse_named(
                 f"mesh string {text!r}: token {token!r} is not of the form 'name:size'"
                 f"{_equals_hint(token)}; do not mix named and positional sizes."
             )
-        if name not in expected:
+        if name not in expected and name != PIPELINE_AXIS:
             raise MeshError(
                 f"mesh string {text!r}: unknown axis name {name!r} in token {token!r}; the "
-                f"axis names are {expected}."
+                f"axis names are {expected} (and the stage axis {PIPELINE_AXIS!r})."
             )
         if name in order:
             raise MeshError(

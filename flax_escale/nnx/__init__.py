@@ -15,6 +15,7 @@ Example:
 from flax_escale._frontend._init_cache import clear_init_cache, init_cache_info
 from flax_escale.nnx._annotate import LOGICAL_AXES, ShardedMixin, stacked
 from flax_escale.nnx._init import init_optimizer
+from flax_escale.nnx._pipeline import pipeline_stack
 from flax_escale.nnx._stack import stack_layers
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "clear_init_cache",
     "init_cache_info",
     "init_optimizer",
+    "pipeline_stack",
     "stack_layers",
     "stacked",
 ]

@@ -23,6 +23,7 @@ SEED_DEFAULTS = {
     "tensor_parallel_axis": "tp",
     "sequence_parallel_axis": "sp",
     "expert_parallel_axis": "ep",
+    "pipeline_parallel_axis": None,  # pipelines are opt-in (DESIGN.md decision 15)
     "batch_axis": ("fsdp", "dp"),
     "sequence_axis": "sp",
     "query_sequence_axis": "sp",
