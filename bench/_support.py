@@ -12,6 +12,8 @@ in one line:
 
 - :func:`program_costs` and :func:`collective_bytes`: the collectives and matmul FLOPs of one run
   of a compiled program, read from its HLO (the reader ``plan_mesh`` estimates with);
+- :func:`pipeline_figures`: a compiled pipeline step's loop trips, permutes and gradient
+  reductions, read from its HLO;
 - :func:`lower_programs`: a :class:`~flax_escale.sizing.Workload`'s init and training step
   lowered on a mesh, allocating nothing (what ``plan_mesh`` compiles);
 - :func:`compile_collecting`: a compile, with the involuntary reshardings XLA reported;
@@ -32,7 +34,7 @@ from rich.console import Console
 
 from flax_escale._units import format_bytes
 from flax_escale.sizing import MeshPlan
-from flax_escale.sizing._hlo import collective_bytes, program_costs
+from flax_escale.sizing._hlo import collective_bytes, pipeline_figures, program_costs
 from flax_escale.sizing._programs import lower_programs
 from flax_escale.tools._checksum import checksums
 from flax_escale.tools._reshardings import compile_collecting
@@ -46,6 +48,7 @@ __all__ = [
     "example",
     "format_bytes",
     "lower_programs",
+    "pipeline_figures",
     "print_plan",
     "program_costs",
 ]

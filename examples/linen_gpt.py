@@ -5,7 +5,9 @@ or with ``--devices accelerator`` on the host's GPUs or TPUs (its first line say
 builds a 2 x 2 x 2 dp x fsdp x tp mesh (on accelerators: every device on fsdp), initializes
 the model and its AdamW state directly sharded, prints every parameter's spec, and trains a few
 steps on a toy next-token task (count upwards modulo the vocabulary) so that the loss visibly
-falls.
+falls. A mesh with a ``pp`` axis (``--mesh pp:2,fsdp:2,tp:2``) runs the layer stack as a
+pipeline over it instead (``--microbatches``, ``--repeats``, ``--remat``; see
+``pipeline_options.py``) and prints its schedule beside the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import pipeline_options
 import toy_data
 from flax.training.train_state import TrainState
 
@@ -41,6 +44,11 @@ class Config:
     layers: int = 2
     max_len: int = 32
     tie_embeddings: bool = False
+    # A pipeline over the mesh's pp axis (flax_escale.linen.pipelined) when microbatches is set;
+    # None scans the stack.
+    microbatches: int | None = None
+    repeats: int = 1
+    remat: str | None = None
 
 
 @fe.sharded_module(
@@ -140,7 +148,13 @@ class Gpt(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         token, x = embed(c, tokens)
-        x, _ = scanned(Block, c.layers)(c, name="blocks")(x, None)
+        if c.microbatches is None:
+            stack = scanned(Block, c.layers)
+        else:  # the same parameters; each stage of pp runs its layers, a microbatch at a time
+            stack = fel.pipelined(
+                Block, c.layers, microbatches=c.microbatches, repeats=c.repeats, remat=c.remat
+            )
+        x, _ = stack(c, name="blocks")(x, None)
         x = nn.LayerNorm(name="ln_final")(x)
         if c.tie_embeddings:
             logits = token.attend(x)
@@ -164,8 +178,19 @@ def workload(config: Config = Config(), batch: int = 16) -> Workload:
     """The model, AdamW and ``train_step`` on batches of ``batch`` sequences, for ``plan_mesh``.
 
     ``python -m flax_escale plan linen_gpt:workload --devices 8 --memory 4MiB`` (from
-    ``examples/``) ranks the meshes of 8 devices for it.
+    ``examples/``) ranks the meshes of 8 devices for it. Its ``pipelined(microbatches=,
+    repeats=, remat=)`` is the same workload with the layer stack run as a pipeline over a
+    mesh's ``pp`` axis, for the planner's pipeline candidates.
     """
+
+    def pipelined(*, microbatches: int, repeats: int = 1, remat: str | None = None) -> Workload:
+        staged = dataclasses.replace(
+            config, microbatches=microbatches, repeats=repeats, remat=remat
+        )
+        return dataclasses.replace(
+            workload(staged, batch), rules=pipeline_options.PIPELINE_RULES, pipelined=None
+        )
+
     return Workload(
         Gpt(config),
         jax.random.key(0),
@@ -173,6 +198,8 @@ def workload(config: Config = Config(), batch: int = 16) -> Workload:
         tx=optax.adamw(3e-3),
         batch=(jax.ShapeDtypeStruct((batch, config.max_len + 1), jnp.int32),),
         step=train_step,
+        layers=config.layers,
+        pipelined=pipelined if config.microbatches is None else None,
     )
 
 
@@ -182,10 +209,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--mesh",
         default=None,
-        help="sizes of dp,fsdp,ep,tp,sp (default 2,2,1,2,1 on cpu, 1,-1,1,1,1 on accelerators)",
+        help="sizes of dp,fsdp,ep,tp,sp (default 2,2,1,2,1 on cpu, 1,-1,1,1,1 on accelerators), "
+        "or named sizes, e.g. pp:2,fsdp:2,tp:2 (axes left out: 1; pp: a pipeline)",
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16)
+    pipeline_options.add_arguments(parser)
     parser.add_argument("--tie-embeddings", action="store_true")
     args = parser.parse_args(argv)
     devices = backend_choice.select_devices(args.devices)  # before any backend starts
@@ -195,15 +224,20 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
-    config = Config(tie_embeddings=args.tie_embeddings)
     mesh_text = args.mesh or ("2,2,1,2,1" if args.devices == "cpu" else "1,-1,1,1,1")
-    mesh = fe.parse_mesh_from_string(mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
-    rules = fe.PartitionAxis()
+    mesh = fe.parse_mesh_from_string(
+        mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, partial=True, devices=devices
+    )
+    config = Config(tie_embeddings=args.tie_embeddings)
+    config, schedule = pipeline_options.configure(config, args, mesh)
+    rules = pipeline_options.rules(mesh)
     model = Gpt(config)
     rng = jax.random.key(0)
     example = jnp.zeros((args.batch, config.max_len), jnp.int32)
 
     print(fe.plan_sharding(model, mesh, rng, example, rules=rules).describe())
+    if schedule is not None:
+        print(pipeline_options.describe(schedule, config.remat))
     tx = optax.adamw(3e-3)
     state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=rules)
 

@@ -6,7 +6,9 @@ builds a 2 x 2 x 2 dp x fsdp x tp mesh (on accelerators: every device on fsdp), 
 model (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP, a layer stack made with
 ``nnx.vmap`` and run with ``nnx.scan``) and its AdamW state directly sharded, prints the
 sharding plan, and trains a few steps on a toy next-token task (count upwards modulo the
-vocabulary) so the loss visibly falls.
+vocabulary) so the loss visibly falls. A mesh with a ``pp`` axis (``--mesh pp:2,fsdp:2,tp:2``)
+runs the layer stack as a pipeline over it instead (``--microbatches``, ``--repeats``,
+``--remat``; see ``pipeline_options.py``) and prints its schedule beside the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import backend_choice
 import jax
 import jax.numpy as jnp
 import optax
+import pipeline_options
 import toy_data
 from flax import nnx
 
@@ -41,6 +44,11 @@ class Config:
     mlp: int = 128
     layers: int = 2
     rope_base: float = 10_000.0
+    # A pipeline over the mesh's pp axis (flax_escale.nnx.pipeline_stack) when microbatches is
+    # set; None scans the stack.
+    microbatches: int | None = None
+    repeats: int = 1
+    remat: str | None = None
 
 
 def rotary(x: jax.Array, base: float) -> jax.Array:
@@ -141,6 +149,7 @@ def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
 @fe.sharded_module(DECODER_AXES)
 class Llama(nnx.Module):
     def __init__(self, c: Config, *, rngs: nnx.Rngs):
+        self.c = c
         self.embed = nnx.Embed(c.vocab, c.hidden, rngs=rngs)
 
         # One layer at a time (nnx.scan): the same values as an nnx.vmap stack, with the init's
@@ -150,15 +159,22 @@ class Llama(nnx.Module):
         self.lm_head = nnx.Linear(c.hidden, c.vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.c
         x = lookup(self.embed, tokens)
-
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=fen.stacked())
-        def run(x: jax.Array, block: Block) -> jax.Array:
-            return block(x)
-
-        x = run(x, self.blocks)
+        if c.microbatches is None:
+            x = scan(x, self.blocks)
+        else:  # each stage of the mesh's pp axis runs its layers, a microbatch at a time
+            x = fen.pipeline_stack(
+                self.blocks, x, microbatches=c.microbatches, repeats=c.repeats, remat=c.remat
+            )
         logits = self.lm_head(self.final_norm(x))
         return fe.constrain(logits, ("batch", "sequence", "vocab"))
+
+
+@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=fen.stacked())
+def scan(x: jax.Array, block: Block) -> jax.Array:
+    """The stacked ``block`` applied layer after layer."""
+    return block(x)
 
 
 def loss_fn(model: Llama, tokens: jax.Array) -> jax.Array:
@@ -178,8 +194,19 @@ def workload(config: Config = Config(), batch: int = 16, length: int = 33) -> Wo
 
     What :func:`flax_escale.sizing.plan_mesh` compiles on every candidate mesh;
     ``python -m flax_escale plan nnx_llama:workload --devices 8 --memory 4MiB`` (from
-    ``examples/``) prints its plan.
+    ``examples/``) prints its plan. Its ``pipelined(microbatches=, repeats=, remat=)`` is the
+    same workload with the layer stack run as a pipeline over a mesh's ``pp`` axis, for the
+    planner's pipeline candidates.
     """
+
+    def pipelined(*, microbatches: int, repeats: int = 1, remat: str | None = None) -> Workload:
+        staged = dataclasses.replace(
+            config, microbatches=microbatches, repeats=repeats, remat=remat
+        )
+        return dataclasses.replace(
+            workload(staged, batch, length), rules=pipeline_options.PIPELINE_RULES, pipelined=None
+        )
+
     return Workload(
         Llama,
         0,
@@ -187,6 +214,8 @@ def workload(config: Config = Config(), batch: int = 16, length: int = 33) -> Wo
         tx=optax.adamw(3e-3),
         batch=(jax.ShapeDtypeStruct((batch, length), jnp.int32),),
         step=train_step,
+        layers=config.layers,
+        pipelined=pipelined if config.microbatches is None else None,
     )
 
 
@@ -196,11 +225,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument(
         "--mesh",
         default=None,
-        help="sizes of dp,fsdp,ep,tp,sp (default 2,2,1,2,1 on cpu, 1,-1,1,1,1 on accelerators)",
+        help="sizes of dp,fsdp,ep,tp,sp (default 2,2,1,2,1 on cpu, 1,-1,1,1,1 on accelerators), "
+        "or named sizes, e.g. pp:2,fsdp:2,tp:2 (axes left out: 1; pp: a pipeline)",
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
+    pipeline_options.add_arguments(parser)
     parser.add_argument("--zero1", action="store_true", help="also shard AdamW state over dp")
     args = parser.parse_args(argv)
     devices = backend_choice.select_devices(args.devices)  # before any backend starts
@@ -210,11 +241,15 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
-    config = Config()
     mesh_text = args.mesh or ("2,2,1,2,1" if args.devices == "cpu" else "1,-1,1,1,1")
-    mesh = fe.parse_mesh_from_string(mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, devices=devices)
-    rules = fe.PartitionAxis()
+    mesh = fe.parse_mesh_from_string(
+        mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, partial=True, devices=devices
+    )
+    config, schedule = pipeline_options.configure(Config(), args, mesh)
+    rules = pipeline_options.rules(mesh)
     print(fe.plan_sharding(Llama, mesh, 0, config, rules=rules).describe())
+    if schedule is not None:
+        print(pipeline_options.describe(schedule, config.remat))
     model = fe.init_sharded(Llama, mesh, 0, config, rules=rules)
     optimizer = fen.init_optimizer(
         model, optax.adamw(3e-3), shard_over=("dp",) if args.zero1 else ()

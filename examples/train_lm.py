@@ -14,6 +14,12 @@ builds the NNX Llama of ``nnx_llama.py`` (or, with ``--api linen``, the Linen GP
 ``linen_gpt.py``) directly sharded on it, prints the sharding plan and the memory a training
 step needs per device, trains on synthetic data with a progress bar, and prints the loss and
 the per-device memory of parameters and optimizer state.
+
+A mesh with a ``pp`` axis, like ``--mesh pp:2,fsdp:2,tp:2 --microbatches 4``, runs the model's
+layer stack as a pipeline over it (``pipeline_options.py``: ``--microbatches``, ``--repeats``
+for the circular schedule, ``--remat``, ``--layers``); the job prints the schedule (stages,
+microbatches, repeats, bubble) after the sharding plan. The planner ranks meshes without a
+pipeline; a ``pp`` mesh is trained on as given.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import backend_choice
 import jax
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import linen_gpt
 import nnx_llama
 import optax
+import pipeline_options
 import toy_data
 from flax import nnx
 from rich.console import Console
@@ -41,11 +49,15 @@ from flax_escale import sizing
 
 DEFAULT_MESH = {"cpu": "dp:1,fsdp:4,tp:2", "accelerator": "fsdp:-1"}
 AUTO = "auto"  # --mesh auto: the mesh plan's pick
+EXAMPLES = {"nnx": nnx_llama, "linen": linen_gpt}  # the model of each --api
 PLANNED_AXES = ("dp", "fsdp", "tp")
 
 
 def mesh_from_string(text: str, devices: list[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """A five-axis escale mesh from ``dp:1,fsdp:4,tp:2`` (absent axes: size 1) or ``1,4,1,2,1``."""
+    """An escale mesh from ``dp:1,fsdp:4,tp:2`` (absent axes: size 1) or ``1,4,1,2,1``.
+
+    Five axes, or six with the stage axis first where the string names ``pp``.
+    """
     return fe.parse_mesh_from_string(
         text, fe.mesh.DEFAULT_AXIS_NAMES, partial=True, devices=devices
     )
@@ -54,18 +66,19 @@ def mesh_from_string(text: str, devices: list[jax.Device] | None = None) -> jax.
 class Trainer:
     """One of the two example models, built sharded, with a jitted step over pure arrays."""
 
-    def __init__(self, api: str, mesh: jax.sharding.Mesh, rules: fe.PartitionAxis, batch: int):
-        self.api, self.mesh, self.rules = api, mesh, rules
+    def __init__(
+        self, api: str, config: Any, mesh: jax.sharding.Mesh, rules: fe.PartitionAxis, batch: int
+    ):
+        """``config`` is the ``Config`` of ``nnx_llama`` (``api="nnx"``) or of ``linen_gpt``."""
+        self.api, self.config, self.mesh, self.rules = api, config, mesh, rules
         tx = optax.adamw(3e-3)
         if api == "nnx":
-            self.config = nnx_llama.Config()
             self.plan = fe.plan_sharding(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
             model = fe.init_sharded(nnx_llama.Llama, mesh, 0, self.config, rules=rules)
             optimizer = fen.init_optimizer(model, tx)
             self.graphdef, self.state = nnx.split((model, optimizer))
             self.step = jax.jit(self._nnx_step)
         else:
-            self.config = linen_gpt.Config()
             example = jnp.zeros((batch, self.config.max_len), jnp.int32)
             model = linen_gpt.Gpt(self.config)
             key = jax.random.key(0)
@@ -92,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         default=AUTO,
         help="auto (default): the planner's pick of the meshes of the devices; or named sizes, "
-        "e.g. dp:2,fsdp:2,tp:2 (axes left out: 1; one size may be -1). With --no-plan, auto "
+        "e.g. dp:2,fsdp:2,tp:2 (axes left out: 1; one size may be -1), or with a pipeline "
+        "over pp, e.g. pp:2,fsdp:2,tp:2. With --no-plan, auto "
         f"is {DEFAULT_MESH['cpu']} on cpu and {DEFAULT_MESH['accelerator']} on accelerators",
     )
     parser.add_argument(
@@ -122,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the mesh plan (it compiles every candidate mesh, a minute or two the first "
         "time): train on --mesh, or on the default mesh when --mesh is auto",
     )
+    pipeline_options.add_arguments(parser)
     return parser
 
 
@@ -144,6 +159,8 @@ def choose_mesh(
     """The mesh to train on, after the mesh plan unless ``--no-plan``; a line says which and why."""
     # A named --mesh is checked before the minute of planning, not after.
     given = None if args.mesh == AUTO else mesh_from_string(args.mesh, devices)
+    # So are the pipeline options, against it (the planner's meshes have no pp axis).
+    pipeline_options.configure(EXAMPLES[args.api].Config(), args, given)
     default = DEFAULT_MESH[args.devices]
     if args.no_plan:
         if given is not None:
@@ -170,8 +187,13 @@ def _plan_meshes(args: argparse.Namespace, devices: int, console: Console) -> si
     # planner compiles every candidate on simulated CPU devices and keeps the figures. On the
     # CPU devices it compiles here, for the batch trained; on accelerators in a child process,
     # which imports the example's factory (its batch of 16).
-    example = {"nnx": nnx_llama, "linen": linen_gpt}[args.api]
-    workload = example.workload(batch=args.batch) if args.devices == "cpu" else example.workload
+    example = EXAMPLES[args.api]
+    if args.devices == "cpu":
+        workload = example.workload(
+            pipeline_options.with_layers(example.Config(), args), batch=args.batch
+        )
+    else:
+        workload = example.workload
     if not console.is_terminal:  # the progress bar shows only on a terminal
         candidates = len(sizing.mesh_shapes(devices, PLANNED_AXES))
         console.print(
@@ -212,9 +234,13 @@ def _announce(mesh: jax.sharding.Mesh, why: str, console: Console) -> jax.shardi
 
 
 def _train(args: argparse.Namespace, mesh: jax.sharding.Mesh, console: Console) -> list[float]:
-    rules = fe.PartitionAxis()
-    trainer = Trainer(args.api, mesh, rules, args.batch)
+    config, schedule = pipeline_options.configure(EXAMPLES[args.api].Config(), args, mesh)
+    rules = pipeline_options.rules(mesh)
+    trainer = Trainer(args.api, config, mesh, rules, args.batch)
     fe.sharding_report(trainer.plan, console=console)
+    if schedule is not None:
+        line = pipeline_options.describe(schedule, config.remat)
+        console.print(f"[bold]schedule[/] {line}", highlight=False, soft_wrap=True)
     seq = 32
     data = toy_data.batches(trainer.config.vocab, args.batch, seq)
     with fe.use_sharding(mesh, rules):
@@ -230,7 +256,7 @@ def _train(args: argparse.Namespace, mesh: jax.sharding.Mesh, console: Console) 
                 losses.append(trainer.train(fe.constrain(next(data), ("batch", "sequence"))))
                 progress.update(task, advance=1, loss=f"loss {losses[-1]:.4f}")
     per_step = (time.perf_counter() - start) / args.steps * 1e3
-    state = fe.sharding_report(trainer.state, mesh, show=False)
+    state = fe.sharding_report(trainer.state, mesh, rules=rules, show=False)
     console.print(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps ({per_step:.0f} ms/step,"
         " the first one compiling)"

@@ -47,6 +47,7 @@ NAMESPACES = (
     "flax_escale.resolve",
     "flax_escale.plan",
     "flax_escale.sharding",
+    "flax_escale.pipeline",
     "flax_escale.t5x",
     "flax_escale.eformer",
 )

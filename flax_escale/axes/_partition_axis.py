@@ -279,10 +279,11 @@ class PartitionAxis:
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
-        """The mesh-axis names in mesh order: the stage axis (when set), ``dp, fsdp, ep, tp, sp``.
+        """The mesh-axis names in mesh order, the stage axis (when set) first.
 
-        The stage axis comes first: it is the outermost axis of a pipeline's mesh, the one
-        that crosses hosts (its traffic is activations, the least of any axis).
+        ``dp, fsdp, ep, tp, sp`` follow. The stage axis comes first because it is the outermost
+        axis of a pipeline's mesh, the one that crosses hosts (its traffic is activations, the
+        least of any axis).
         """
         pp = () if self.pipeline_parallel_axis is None else (self.pipeline_parallel_axis,)
         return (

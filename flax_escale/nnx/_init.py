@@ -21,22 +21,27 @@ from flax_escale.nnx._annotate import collecting_unused
 from flax_escale.nnx._signature import binding_error, shown, signature
 from flax_escale.plan import PlanEntry, ShardingPlan, annotated_leaves
 from flax_escale.plan._optimizer import follow_shardings
+from flax_escale.plan._resolving import STACKED_NAMES
 
 __all__ = ["FRONT_END", "NnxFrontEnd", "OptimizerLayout", "init_optimizer", "optimizer_layout"]
 
 
 def _sharding_metadata(entry: PlanEntry) -> dict[str, Any]:
-    # The resolved mesh axes, except that an unsharded dimension keeps its logical name, mapped
-    # to None by the variable's own sharding_rules: NNX's scan/vmap find their stacked axis name
-    # ("layers") in out_sharding, and NNX's own lookup then still gives the resolved spec.
+    # The resolved mesh axes, except that an unsharded dimension and a stack's dimension (even
+    # on a pipeline's stage axis) keep their logical names, mapped to their axes by the
+    # variable's own sharding_rules: NNX's scan/vmap find their stacked axis name ("layers") in
+    # out_sharding, and NNX's own lookup then still gives the resolved spec.
     names = entry.resolution.logical_axes or (None,) * len(entry.shape)
     spec = _pad(entry.spec, len(entry.shape))
-    out_sharding = tuple(
-        name if axes is None and isinstance(name, str) else axes
+    kept = [
+        isinstance(name, str) and (axes is None or name in STACKED_NAMES)
         for axes, name in zip(spec, names, strict=True)
+    ]
+    out_sharding = tuple(
+        name if keep else axes for axes, name, keep in zip(spec, names, kept, strict=True)
     )
-    unsharded = tuple((n, None) for n, axes in zip(names, spec, strict=True) if axes is None and n)
-    return {"out_sharding": out_sharding, "sharding_rules": unsharded}
+    local = tuple((n, axes) for n, axes, keep in zip(names, spec, kept, strict=True) if keep)
+    return {"out_sharding": out_sharding, "sharding_rules": local}
 
 
 def init_optimizer(

@@ -76,7 +76,8 @@ def pipeline_stack(
     if not isinstance(stack, nnx.Module):
         raise EscaleTypeError(
             f"stack must be a stacked nnx.Module (stack_layers, nnx.vmap), got "
-            f"{check.describe(stack)}."
+            f"{check.describe(stack)}; a pytree of stacked arrays runs with "
+            "flax_escale.pipeline.pipeline(layer, params, x, ...)."
         )
     graphdef, state = nnx.split(stack)
 

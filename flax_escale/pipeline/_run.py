@@ -14,13 +14,14 @@ and after the last one is the output).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flax_escale import _checks as check
 from flax_escale._specs import mesh_axes_of
@@ -41,6 +42,7 @@ the stage's layers; ``"save_dots"`` keeps the results of matrix multiplications 
 dimensions (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) per layer.
 """
 REMAT_POLICIES: tuple[str, ...] = ("none", "layer", "iteration", "save_dots")
+"""The names ``remat=`` accepts (besides ``None``, which is ``"none"``); see :data:`Remat`."""
 
 Layer = Callable[[Any, jax.Array], jax.Array]
 
@@ -131,6 +133,7 @@ def pipeline(
     )
     # Microbatch i is rows i, i + m, i + 2m, ...: each microbatch takes an equal share of every
     # device's rows, so cutting the batch moves nothing.
+    x = _microbatchable(on, axis, rows, x)
     batched = x.reshape(rows, microbatches, *x.shape[1:]).swapaxes(0, 1)
     run = jax.shard_map(
         functools.partial(_loop, body_of, schedule, axis),
@@ -214,15 +217,40 @@ def _chunked(
     # [layers, ...] as [repeats, stages * layers_per_stage, ...]. With several repeats the
     # stages' layers are not the stack's contiguous blocks: on Explicit axes the new dimensions
     # are unsharded first (the stage axis then splits the second; both directions of the
-    # reshape have a sharding JAX accepts).
+    # reshape have a sharding JAX accepts). On Auto axes the stack is held to its own layout
+    # (layers on the stage axis), which holds its gradient there too: the chunks' layout is no
+    # layout of the stack, and XLA would return the gradient whole on every device.
     shape = (repeats, width, *stack.shape[1:])
-    if repeats == 1 or AxisType.Explicit not in mesh.axis_types:
+    if repeats == 1:
         return stack.reshape(shape)
+    if AxisType.Explicit not in mesh.axis_types:
+        own = PartitionSpec(axis, *(PartitionSpec.UNCONSTRAINED,) * (stack.ndim - 1))
+        return jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, own)).reshape(shape)
     sharding = getattr(jax.typeof(stack), "sharding", None)
     given = tuple(getattr(sharding, "spec", ()))
     spec = (*given, *(None,) * (stack.ndim - len(given)))
     chunks = jax.lax.reshape(stack, shape, out_sharding=PartitionSpec(None, None, *spec[1:]))
     return jax.sharding.reshard(chunks, PartitionSpec(None, axis, *spec[1:]))
+
+
+def _microbatchable(mesh: Mesh | AbstractMesh, axis: str, rows: int, x: jax.Array) -> jax.Array:
+    # On Explicit axes, x laid out for the cut into microbatches. Every stage takes every
+    # microbatch (in_specs P()), so the stage axis comes off the batch (the rules' batch
+    # includes pp, as data parallelism outside the pipeline), or the gradient comes back typed
+    # without it; and a microbatch's rows must split over the batch's other axes, or the
+    # reshape that cuts the batch has no sharding JAX can name (the batch is then gathered).
+    if AxisType.Explicit not in mesh.axis_types:
+        return x
+    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
+    kept = [tuple(a for a in mesh_axes_of(entry) if a != axis) for entry in spec]
+    sizes = dict(mesh.shape)
+    if kept and rows % math.prod(sizes[a] for a in kept[0]):
+        kept[0] = ()
+    wanted = tuple(entry if len(entry) > 1 else (entry[0] if entry else None) for entry in kept)
+    given = tuple(e if not isinstance(e, tuple) or len(e) > 1 else e[0] for e in spec)
+    if wanted == given:
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*wanted))
 
 
 def _stage_body(layer: Layer, remat: str) -> Callable[[Any, jax.Array], jax.Array]:

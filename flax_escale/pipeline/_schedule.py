@@ -56,12 +56,22 @@ class Schedule:
             check.positive_int(getattr(self, name), name)
         chunks = self.stages * self.repeats
         if self.layers % chunks:
-            fits = [d for d in range(1, self.layers + 1) if self.layers % (d * self.repeats) == 0]
+            repeats = "1 repeat" if self.repeats == 1 else f"{self.repeats} repeats"
+            if self.layers % self.repeats:
+                fix = (
+                    f"use repeats dividing {self.layers} "
+                    f"({_divisors(self.layers)}), or a stack of a multiple of {chunks} layers"
+                )
+            else:
+                per_repeat = self.layers // self.repeats
+                of = "" if self.repeats == 1 else f"{self.layers} / {self.repeats} = "
+                fix = (
+                    f"use stages dividing {of}{per_repeat} ({_divisors(per_repeat)}), or a "
+                    f"stack of a multiple of {chunks} layers"
+                )
             raise PipelineError(
-                f"the stack has {self.layers} layers, which {self.stages} stages x "
-                f"{self.repeats} repeats ({chunks} chunks) cannot split evenly: with "
-                f"repeats={self.repeats} the stages can be {fits or 'none'}; or change the "
-                f"repeats, or use a stack whose layer count is a multiple of {chunks}."
+                f"the stack has {self.layers} layers, which {self.stages} stages x {repeats} "
+                f"({chunks} chunks of equal size) cannot split evenly: {fix}."
             )
         if self.microbatches % self.stages:
             raise PipelineError(
@@ -75,17 +85,17 @@ class Schedule:
 
     @property
     def layers_per_stage(self) -> int:
-        """The consecutive layers a stage runs per repeat: ``layers / (stages * repeats)``."""
+        """The consecutive layers a stage runs per repeat, ``layers / (stages * repeats)``."""
         return self.layers // (self.stages * self.repeats)
 
     @property
     def iterations(self) -> int:
-        """The loop iterations of one forward pass: ``microbatches * repeats + stages - 1``."""
+        """The loop iterations of one forward pass, ``microbatches * repeats + stages - 1``."""
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of stage iterations spent idle: ``(stages - 1) / iterations``."""
+        """The share of stage iterations spent idle, ``(stages - 1) / iterations``."""
         return (self.stages - 1) / self.iterations
 
     @property
@@ -139,3 +149,7 @@ class Schedule:
             f"{self.microbatches} microbatches, {repeats}: {self.iterations} iterations, "
             f"bubble {self.bubble_fraction:.1%}"
         )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

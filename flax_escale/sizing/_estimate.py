@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale._units import format_bytes
+from flax_escale.pipeline import Schedule
 from flax_escale.plan import ShardingPlan
 from flax_escale.sizing._profiles import HardwareProfile
 
@@ -26,6 +27,8 @@ __all__ = [
     "RULE_OUT_MARGIN",
     "estimate_seconds",
     "explain",
+    "explain_pipeline",
+    "slow_collectives",
     "textbook_communication",
     "token_count",
 ]
@@ -34,8 +37,10 @@ ESTIMATE_TERMS = (
     "estimated step time = FLOPs / peak FLOP/s + 2 x train-state bytes / memory bandwidth "
     "(the optimizer update's pass over the state) + bytes each device sends in collectives / "
     "interconnect bandwidth + collectives run x latency; no overlap of compute and "
-    "communication, no activations' memory traffic, kernel-efficiency or multi-host (DCN) "
-    "terms. An estimate to rank meshes by, not a prediction of seconds."
+    "communication, no activations' memory traffic or kernel-efficiency terms. A pipeline's "
+    "bubble is in its compiled FLOPs (every stage computes in each of its m x v + p - 1 "
+    "iterations). With a profile's between-host bandwidth, the collectives of axes that span "
+    "hosts move at it. An estimate to rank meshes by, not a prediction of seconds."
 )
 """What the planner's estimated step time adds up, and what it leaves out (printed with plans)."""
 
@@ -45,6 +50,8 @@ def estimate_seconds(
     state_bytes: int,
     collectives: Mapping[str, Sequence[float]],
     profile: HardwareProfile,
+    slow: Sequence[str] = (),
+    pipeline_bytes: float = 0.0,
 ) -> tuple[float, float]:
     """``(compute, communication)`` seconds of one step by :data:`ESTIMATE_TERMS`.
 
@@ -53,6 +60,11 @@ def estimate_seconds(
         state_bytes: The train state's bytes on the fullest device.
         collectives: ``{kind: (count, bytes, wire bytes)}`` per step on one device.
         profile: The hardware.
+        slow: The kinds of collective that cross hosts (:func:`slow_collectives`): they move
+            at the profile's between-host bandwidth. ``"pipeline"`` stands for the pipeline's
+            own permutes.
+        pipeline_bytes: The bytes of the pipeline's own permutes (over ``pp``) among the
+            collective-permutes' (the rest are the compiler's, over the other axes).
 
     Example:
         >>> from flax_escale.sizing import PROFILES
@@ -65,11 +77,55 @@ def estimate_seconds(
     bandwidth = profile.memory_bytes_per_second
     update = 2 * state_bytes / bandwidth if bandwidth else 0.0
     count = sum(c[0] for c in collectives.values())
-    wire = sum(c[2] for c in collectives.values())
+    fast = profile.interconnect_bytes_per_second
+    between = profile.host_bytes_per_second or fast
+    wire = {kind: c[2] for kind, c in collectives.items()}
+    if pipeline_bytes:
+        wire["collective-permute"] = max(wire.get("collective-permute", 0.0) - pipeline_bytes, 0)
+        wire["pipeline"] = pipeline_bytes
+    talk = sum(size / (between if kind in slow else fast) for kind, size in wire.items())
     return (
         flops / profile.flops_per_second + update,
-        wire / profile.interconnect_bytes_per_second + count * profile.collective_latency_seconds,
+        talk + count * profile.collective_latency_seconds,
     )
+
+
+def slow_collectives(shape: Mapping[str, int], devices_per_host: int | None) -> tuple[str, ...]:
+    """The kinds of collective that cross hosts on a mesh of ``shape`` (outermost axis first).
+
+    Devices are numbered along the mesh's axes, the last fastest, and a host holds
+    ``devices_per_host`` consecutive ones: an axis spans hosts when its size times the devices
+    of the axes after it exceeds a host. The compiled figures give bytes per kind of collective,
+    not per axis, so they are told apart by what runs them: the pipeline's own permutes
+    (``"pipeline"``) run over ``pp``; every other collective over the other axes. A kind
+    crosses hosts when one of its axes does (a ring moves at its slowest link).
+
+    Example:
+        >>> from flax_escale.sizing._estimate import slow_collectives
+        >>> slow_collectives({"pp": 2, "dp": 1, "fsdp": 4, "ep": 1, "tp": 1, "sp": 1}, 4)
+        ('pipeline',)
+        >>> slow_collectives({"dp": 1, "fsdp": 8, "ep": 1, "tp": 1, "sp": 1}, 4)[:2]
+        ('all-reduce', 'all-gather')
+    """
+    if devices_per_host is None:
+        return ()
+    crossing, inner = set(), 1
+    for axis, size in reversed(list(shape.items())):
+        if size > 1 and size * inner > devices_per_host:
+            crossing.add(axis)
+        inner *= size
+    return (("pipeline",) if "pp" in crossing else ()) + (_KINDS if crossing - {"pp"} else ())
+
+
+_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
 
 
 RULE_OUT_MARGIN = 2.0
@@ -175,6 +231,34 @@ def explain(
             f"data/FSDP parallelism is compute-bound on {ratio}"
         )
     return "; ".join(parts)
+
+
+def explain_pipeline(
+    settings: Mapping[str, Any], permuted: float | None, slow: Sequence[str] = ()
+) -> str:
+    """What a pipeline candidate's schedule costs: its bubble, activations in flight, permutes.
+
+    ``permuted`` is the bytes of the pipeline's own permutes per step, read from the compiled
+    step (``None``: not read).
+
+    Example:
+        >>> from flax_escale.sizing._estimate import explain_pipeline
+        >>> settings = {"stages": 2, "microbatches": 8, "repeats": 1, "remat": "none", "layers": 4}
+        >>> explain_pipeline(settings, 9216, ("pipeline",))
+        'pipeline of 2 stages, 8 microbatches, GPipe, remat none: bubble 11% (9 iterations, compute x1.12 in the FLOPs); 18 microbatch activations in flight per stage; permutes 9.00 KiB/step, between hosts'
+    """  # noqa: E501
+    p, m, v = settings["stages"], settings["microbatches"], settings["repeats"]
+    schedule = Schedule(p, m, v, settings["layers"])
+    kind = "GPipe" if v == 1 else f"circular x{v}"
+    where = ", between hosts" if "pipeline" in slow else ""
+    moved = "not read" if permuted is None else f"{format_bytes(permuted)}/step{where}"
+    in_flight = schedule.activations_in_flight(remat=settings["remat"] == "iteration")
+    return (
+        f"pipeline of {p} stages, {m} microbatches, {kind}, remat {settings['remat']}: bubble "
+        f"{schedule.bubble_fraction:.0%} ({schedule.iterations} iterations, compute "
+        f"x{schedule.iterations / (m * v):.3g} in the FLOPs); {in_flight} microbatch activations "
+        f"in flight per stage; permutes {moved}"
+    )
 
 
 def token_count(

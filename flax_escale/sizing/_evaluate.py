@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -12,25 +11,31 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jaxlib
 
 from flax_escale._specs import mesh_axes_of
 from flax_escale.errors import EscaleError, ShardingCorrectionWarning
-from flax_escale.mesh import DEFAULT_AXIS_NAMES, Target
+from flax_escale.mesh import DEFAULT_AXIS_NAMES, PIPELINE_AXIS, Target
 from flax_escale.plan import ShardingPlan
 from flax_escale.resolve import as_logical_rules
-from flax_escale.sizing._candidates import PLANNED_AXES, mesh_shapes
+from flax_escale.sizing._cache import cache_key, read_cache, write_cache
+from flax_escale.sizing._candidates import (
+    PLANNED_AXES,
+    PipelinedWorkloads,
+    mesh_shapes,
+)
 from flax_escale.sizing._estimate import (
     RULE_OUT_MARGIN,
     estimate_seconds,
+    slow_collectives,
     textbook_communication,
     token_count,
 )
-from flax_escale.sizing._hlo import READER_VERSION, program_costs
+from flax_escale.sizing._figures import Figures, mesh_key
+from flax_escale.sizing._hlo import READER_VERSION, pipeline_figures, program_costs
 from flax_escale.sizing._profiles import HardwareProfile
 from flax_escale.sizing._programs import batch_shardings, lower_programs
 from flax_escale.sizing._workload import Workload
-from flax_escale.tools import Resharding, will_it_fit
+from flax_escale.tools import will_it_fit
 from flax_escale.tools._data import batch_resolution
 from flax_escale.tools._reshardings import compile_collecting
 
@@ -40,83 +45,6 @@ Report = Callable[[dict[str, Any]], None]
 
 TRACE_FAILURE = "could not trace the step: "
 """How the reason of a mesh whose step did not trace begins."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Figures:
-    """What planning one mesh found: why it was ruled out, or what its programs need.
-
-    Attributes:
-        shape: ``{axis: size}`` for every axis of the library's mesh.
-        status: ``"compiled"``; ``"pruned"`` (it cannot run as asked, or an axis splits
-            nothing); ``"state too large"`` (the train state alone exceeds the budget, so it
-            was not compiled); ``"ruled out"`` (its textbook communication alone exceeds
-            twice the best estimate already compiled, so it cannot rank first);
-            ``"skipped"`` (the time budget ran out); ``"failed"`` (the target's compiler
-            refused it, say).
-        reason: Why it was not compiled, in a sentence.
-        corrections: What the sharding plan had to change (``path dim N: ...``).
-        state_bytes: The train state's bytes on the fullest device.
-        init_peak_bytes: Per-device peak of the sharded init (``memory_analysis()``).
-        step_peak_bytes: Per-device peak of one training step, temporaries included.
-        flops: FLOPs of one step on one device: XLA's cost analysis, with the matrix
-            multiplications of each loop counted once per trip.
-        collectives: ``{kind: [count, bytes, wire bytes]}`` per step on one device.
-        compile_seconds: Seconds spent lowering and compiling (0 when cached).
-        cached: Whether the figures came from the cache.
-        textbook_seconds: Its collectives' time when the weights travel, by the textbook
-            formulas.
-        tokens_per_device: Tokens of the batch each device computes on per step: the
-            dimensions :attr:`~flax_escale.sizing.Workload.token_dims` names, each over the
-            mesh axes that split it.
-        reshardings: The arrays XLA's partitioner replicates in full to split them another
-            way, in the init and the step: each costs an all-gather the layout did not ask
-            for.
-    """
-
-    shape: dict[str, int]
-    status: str
-    reason: str = ""
-    corrections: tuple[str, ...] = ()
-    state_bytes: int | None = None
-    init_peak_bytes: int | None = None
-    step_peak_bytes: int | None = None
-    flops: float | None = None
-    collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    compile_seconds: float = 0.0
-    cached: bool = False
-    textbook_seconds: float | None = None
-    tokens_per_device: float | None = None
-    reshardings: tuple[Resharding, ...] = ()
-
-    @property
-    def label(self) -> str:
-        """The mesh's axes larger than 1, like ``fsdp=4 tp=2``."""
-        return " ".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "one device"
-
-    @property
-    def key(self) -> tuple[tuple[str, int], ...]:
-        """The mesh, hashable; one plan's figures are told apart by it."""
-        return _mesh_key(self.shape)
-
-    def as_json(self) -> dict[str, Any]:
-        """The figures as JSON-ready values."""
-        return {
-            **dataclasses.asdict(self),
-            "corrections": list(self.corrections),
-            "reshardings": [dataclasses.asdict(r) for r in self.reshardings],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Figures:
-        """Figures from :meth:`as_json`'s output."""
-        return cls(
-            **{
-                **data,
-                "corrections": tuple(data["corrections"]),
-                "reshardings": tuple(Resharding(**r) for r in data.get("reshardings", ())),
-            }
-        )
 
 
 def evaluate(
@@ -134,7 +62,11 @@ def evaluate(
 ) -> list[Figures]:
     """Plans, prunes and compiles the workload on every mesh of the target's devices.
 
-    Over several slices, only meshes whose data-parallel axis spans the slices are planned.
+    Over several slices, only meshes whose data-parallel axis spans the slices are planned
+    (for a pipeline mesh, its ``pp`` axis: the stages then cross the slow links). A mesh with
+    ``pp`` is compiled once per schedule (``_candidates.pipeline_settings``), fastest by the
+    formulas first, until one fits the budget (or is ruled out, skipped, or has too large a
+    state: the others would be too); only the schedules tried are reported.
     The meshes left are compiled in the order of their textbook communication on ``profile``;
     one whose textbook communication exceeds :data:`RULE_OUT_MARGIN` times the best estimate
     compiled so far (of a mesh that fits) is ruled out without compiling, unless
@@ -151,25 +83,64 @@ def evaluate(
     start = time.perf_counter()
     if axes is None:
         axes = PLANNED_AXES + (("ep",) if _has_experts(workload, target) else ())
+        axes = ((PIPELINE_AXIS,) if workload.pipelined is not None else ()) + axes
+    elif PIPELINE_AXIS in axes and workload.pipelined is None:
+        raise EscaleError(
+            f"axes: {PIPELINE_AXIS!r} plans pipelines, and the workload has none to plan; pass "
+            "Workload(..., layers=L, pipelined=factory), a function returning the workload whose "
+            f"model runs its stack with flax_escale.nnx.pipeline_stack, or leave {PIPELINE_AXIS!r} "
+            "out of axes."
+        )
+    # Over several slices the mesh's first axis spans them (pp for a pipeline, else dp).
     shapes = [
         shape
         for shape in mesh_shapes(target.device_count, axes)
-        if shape[DEFAULT_AXIS_NAMES[0]] % target.slices == 0
+        if next(iter(shape.values())) % target.slices == 0
     ]
+    host = target.device_count // target.slices if target.slices > 1 else profile.devices_per_host
     ruled_out: list[Figures] = []
     kept: list[_Kept] = []
+    built = PipelinedWorkloads(workload)
     for shape in shapes:
-        mesh = target.mesh(tuple(shape[a] for a in DEFAULT_AXIS_NAMES))
-        reason, plan, corrections, batch = _prune(workload, mesh)
-        if reason:
-            ruled_out.append(Figures(shape, "pruned", reason, corrections))
+        mesh = target.mesh(tuple(shape.values()), tuple(shape))
+        schedules = built.schedules(shape)
+        if not schedules:
+            reason = (
+                f"the stack's {workload.layers} layers do not split into {shape[PIPELINE_AXIS]} "
+                "stages, or no microbatch count (a multiple of the stages dividing the batch) "
+                "leaves microbatches that the stages' data axes split evenly"
+            )
+            ruled_out.append(Figures(shape, "pruned", reason))
             continue
-        textbook, detail = textbook_communication(plan, mesh, _split_axes(batch), profile)
+        # The schedules of a mesh share its plan and batch: the first one prunes them all.
+        reason, plan, corrections, batch = _prune(built(schedules[0]), mesh)
+        pipeline = built.pipeline(schedules[0])
+        if reason:
+            ruled_out.append(Figures(shape, "pruned", reason, corrections, pipeline=pipeline))
+            continue
+        # A pipeline's stage weights stay on their stage: pp gathers and reduces none of them.
+        split = tuple(a for a in _split_axes(batch) if pipeline is None or a != PIPELINE_AXIS)
+        textbook, detail = textbook_communication(plan, mesh, split, profile)
         tokens = None
         if workload.token_dims is not None:
             index, dims = workload.token_dims
             tokens = token_count(workload.batch[index].shape, dims, batch[index].spec, mesh)
-        kept.append(_Kept(shape, mesh, plan, corrections, textbook, detail, tokens))
+        slow = slow_collectives(shape, host)
+        for settings in schedules:
+            kept.append(
+                _Kept(
+                    shape,
+                    mesh,
+                    plan,
+                    corrections,
+                    textbook,
+                    detail,
+                    tokens,
+                    functools.partial(built, settings),
+                    built.pipeline(settings),
+                    slow,
+                )
+            )
     if ruled_out and not kept:
         _raise_absent_axes(workload, target, ruled_out)
     kept.sort(key=lambda k: k.textbook)
@@ -180,9 +151,15 @@ def evaluate(
         if figures.key not in done:
             report({"event": "figures", "figures": figures.as_json()})
     best: tuple[float, str] | None = None  # the best estimate of a mesh that fits, and its mesh
+    # The pipeline meshes settled: a schedule fits (the others are slower by the formulas), or
+    # one was ruled out, skipped or had too large a state (so would the others be).
+    settled: set[Any] = set()
     for k in kept:
         spent = time.perf_counter() - start
-        figures = done.get(_mesh_key(k.shape))
+        figures = done.get(mesh_key(k.shape, k.pipeline))
+        mesh = mesh_key(k.shape)
+        if figures is None and k.pipeline is not None and mesh in settled:
+            continue
         if figures is not None:
             pass  # reported by the process that found it
         elif time_budget is not None and spent > time_budget:
@@ -196,7 +173,7 @@ def evaluate(
             )
         else:
             figures = _compile(
-                workload,
+                k.workload(),
                 target,
                 k,
                 memory_bytes,
@@ -206,19 +183,23 @@ def evaluate(
         if figures.status == "compiled" and _peak(figures) <= memory_bytes:
             seconds = sum(
                 estimate_seconds(
-                    figures.flops or 0.0, figures.state_bytes or 0, figures.collectives, profile
+                    figures.flops or 0.0,
+                    figures.state_bytes or 0,
+                    figures.collectives,
+                    profile,
+                    figures.slow_collectives,
+                    figures.pipeline_bytes or 0.0,
                 )
             )
             if best is None or seconds < best[0]:
                 best = (seconds, figures.label)
+        fits = figures.status == "compiled" and _peak(figures) <= memory_bytes
+        if fits or figures.status in ("ruled out", "skipped", "state too large"):
+            settled.add(mesh)
         results.append(figures)
         if figures.key not in done:
             report({"event": "figures", "figures": figures.as_json()})
     return [*ruled_out, *results]
-
-
-def _mesh_key(shape: dict[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple(shape.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +212,9 @@ class _Kept:
     textbook: float
     detail: str
     tokens: float | None
+    workload: Callable[[], Workload]
+    pipeline: dict[str, Any] | None
+    slow: tuple[str, ...]
 
     def own(self) -> dict[str, Any]:
         """The figures this mesh has whatever compiling it finds."""
@@ -239,6 +223,8 @@ class _Kept:
             "corrections": self.corrections,
             "textbook_seconds": self.textbook,
             "tokens_per_device": self.tokens,
+            "pipeline": self.pipeline,
+            "slow_collectives": self.slow,
         }
 
     def figures(self, status: str, reason: str = "", **found: Any) -> Figures:
@@ -311,8 +297,8 @@ def _split_axes(batch: list[Any]) -> tuple[str, ...]:
 def _raise_absent_axes(workload: Workload, target: Target, pruned: list[Figures]) -> None:
     # Every mesh pruned while the rules (or overrides) name an axis no planned mesh has: the
     # configuration is at fault, and a plan of pruned meshes would read as "no mesh fits".
-    first = pruned[0]
-    mesh = target.mesh(tuple(first.shape[a] for a in DEFAULT_AXIS_NAMES))
+    first = next((f for f in pruned if PIPELINE_AXIS not in f.shape), pruned[0])
+    mesh = target.mesh(tuple(first.shape.values()), tuple(first.shape))
     where = []
     for i, x in enumerate(workload.batch):
         if len(x.shape):
@@ -358,13 +344,13 @@ def _compile(
             "the train state alone needs more than the budget on one device",
             state_bytes=programs.state_bytes,
         )
-    key = _cache_key(
+    key = cache_key(
         f"reader {READER_VERSION}",
         target.label,
         programs.init.as_text(),
         programs.step.as_text(),
     )
-    cached = _read_cache(cache_dir, key)
+    cached = read_cache(cache_dir, key)
     if cached is not None:
         return dataclasses.replace(
             Figures.from_json(cached), **kept.own(), compile_seconds=0.0, cached=True
@@ -398,40 +384,8 @@ def _compile(
         },
         compile_seconds=time.perf_counter() - start,
         reshardings=init_reshardings + step_reshardings,
+        # The pipeline's own permutes, told from the compiler's (rings of windowed matmuls).
+        pipeline_bytes=None if kept.pipeline is None else pipeline_figures(step).permute_bytes,
     )
-    _write_cache(cache_dir, key, figures)
+    write_cache(cache_dir, key, figures.as_json())
     return figures
-
-
-def _cache_key(*texts: str) -> str:
-    digest = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__}".encode())
-    for text in texts:
-        digest.update(text.encode())
-    return digest.hexdigest()
-
-
-def _read_cache(cache_dir: Path | None, key: str) -> dict[str, Any] | None:
-    if cache_dir is None:
-        return None
-    try:
-        return json.loads((cache_dir / f"{key}.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_cache(cache_dir: Path | None, key: str, figures: Figures) -> None:
-    if cache_dir is None:
-        return
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        # Written whole, then renamed: a reader never sees half a file.
-        partial = cache_dir / f"{key}.json.partial"
-        partial.write_text(json.dumps(figures.as_json()))
-        partial.replace(cache_dir / f"{key}.json")
-    except OSError as error:
-        # plan_mesh checks the directory up front; what only writing tells (a file system
-        # that refuses it, a disk full) is said here, naming the cache rather than the file.
-        raise EscaleError(
-            f"cache: cannot keep the compiled candidates' figures in {str(cache_dir)!r} "
-            f"({error.strerror or error}); give a directory you can write in, or cache=False."
-        ) from error

@@ -91,9 +91,12 @@ def plan_mesh(
         profile: A hardware profile or the name of a built-in one
             (:data:`~flax_escale.sizing.PROFILES`); defaults to the TPU chip's, and to
             ``"h100"`` for the CPU simulation.
-        axes: The mesh axes to spread the devices over, distinct axes of the library's mesh;
-            defaults to ``dp, fsdp, tp, sp`` and ``ep`` when a variable has a logical axis the
-            rules map to ``ep``.
+        axes: The mesh axes to spread the devices over, distinct axes of the library's mesh
+            or ``pp``; defaults to ``dp, fsdp, tp, sp``, ``ep`` when a variable has a logical
+            axis the rules map to ``ep``, and ``pp`` (outermost) when the workload can run its
+            stack as a pipeline (``Workload(layers=..., pipelined=...)``). A mesh with ``pp`` is
+            compiled with the workload's pipelined form, its schedules (microbatches, repeats,
+            rematerialization) fastest by the formulas first, until one fits.
         time_budget: Seconds; once spent, the meshes not yet compiled are reported as
             skipped rather than compiled.
         exhaustive: Compile every mesh left after pruning, even those the communication
@@ -113,10 +116,11 @@ def plan_mesh(
             lacks, a cache directory that cannot be created or written, a step or loss that
             traces on no mesh (what it returned is in the message), rules or overrides naming
             mesh axes the planned meshes lack when that leaves no mesh to compile, a factory
-            whose module raises as it is imported, or if the child process fails (its last
-            output lines are in the message).
-        EscaleTypeError: For arguments of the wrong type, or a workload the child process
-            could not import.
+            whose module raises as it is imported, ``pp`` in ``axes`` for a workload without
+            ``pipelined``, or if the child process fails (its last output lines are in the
+            message).
+        EscaleTypeError: For arguments of the wrong type, a workload the child process
+            could not import, or a ``pipelined`` that returns anything but a Workload.
     """
     if isinstance(workload, (nn.Module, nnx.Module)):  # callable, but not a factory
         raise EscaleTypeError(

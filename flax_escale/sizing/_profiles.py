@@ -34,6 +34,11 @@ class HardwareProfile:
         memory_bytes_per_second: One device's memory bandwidth, for the step's pass over its
             train state (the optimizer update reads and writes every byte of it); ``None``
             leaves that term out.
+        devices_per_host: Devices joined by the fast interconnect (a host, or a slice); the
+            mesh's outermost axes span hosts first. ``None``: every device is on one.
+        host_bytes_per_second: Bytes per second one device sends to another host (DCN,
+            InfiniBand): the rate of the collectives that cross hosts. ``None``: the
+            interconnect's.
     """
 
     name: str
@@ -42,6 +47,8 @@ class HardwareProfile:
     collective_latency_seconds: float = 0.0
     memory_bytes: int | None = None
     memory_bytes_per_second: float | None = None
+    devices_per_host: int | None = None
+    host_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
         # The name titles every plan and message that uses the profile.
@@ -51,9 +58,10 @@ class HardwareProfile:
             "flops_per_second",
             "interconnect_bytes_per_second",
             "memory_bytes_per_second",
+            "host_bytes_per_second",
         ):
             value = getattr(self, field)
-            if field == "memory_bytes_per_second" and value is None:
+            if field in ("memory_bytes_per_second", "host_bytes_per_second") and value is None:
                 continue
             check.positive_number(value, f"HardwareProfile {self.name!r}: {field}")
         check.non_negative_number(
@@ -62,6 +70,8 @@ class HardwareProfile:
         )
         if self.memory_bytes is not None:
             check.positive_int(self.memory_bytes, "memory_bytes")
+        if self.devices_per_host is not None:
+            check.positive_int(self.devices_per_host, "devices_per_host")
 
 
 # Vendors' published peak figures (dense bf16 FLOP/s; interconnect per device, one direction;

@@ -13,7 +13,12 @@ from flax_escale import _checks as check
 from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
-from flax_escale.sizing._estimate import ESTIMATE_TERMS, estimate_seconds, explain
+from flax_escale.sizing._estimate import (
+    ESTIMATE_TERMS,
+    estimate_seconds,
+    explain,
+    explain_pipeline,
+)
 from flax_escale.sizing._evaluate import Figures
 from flax_escale.sizing._profiles import HardwareProfile, hardware_profile
 from flax_escale.tools._reshardings import summarize
@@ -43,13 +48,13 @@ class Candidate:
 
     @property
     def shape(self) -> dict[str, int]:
-        """``{axis: size}`` over ``dp, fsdp, ep, tp, sp``."""
+        """``{axis: size}`` over ``dp, fsdp, ep, tp, sp`` (``pp`` first for a pipeline)."""
         return self.figures.shape
 
     @property
     def dims(self) -> tuple[int, ...]:
-        """The sizes in :func:`~flax_escale.create_mesh`'s order."""
-        return tuple(self.shape[a] for a in DEFAULT_AXIS_NAMES)
+        """The sizes in :func:`~flax_escale.create_mesh`'s order (``pp`` first if any)."""
+        return tuple(self.shape.values())
 
     @property
     def label(self) -> str:
@@ -85,7 +90,12 @@ class Candidate:
             return cls(figures, None, None, None)
         peak = max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
         compute, communication = estimate_seconds(
-            figures.flops or 0.0, figures.state_bytes or 0, figures.collectives, profile
+            figures.flops or 0.0,
+            figures.state_bytes or 0,
+            figures.collectives,
+            profile,
+            figures.slow_collectives,
+            figures.pipeline_bytes or 0.0,
         )
         return cls(figures, peak <= memory_bytes, compute, communication)
 
@@ -106,18 +116,23 @@ class Candidate:
         if self.compute_seconds is None or self.communication_seconds is None:
             return ""
         f = self.figures
-        return explain(
+        why = explain(
             self.compute_seconds,
             self.communication_seconds,
             f.collectives,
             f.tokens_per_device,
             profile,
         )
+        if f.pipeline is None:
+            return why
+        return f"{explain_pipeline(f.pipeline, f.pipeline_bytes, f.slow_collectives)}; {why}"
 
     def create_mesh_call(self) -> str:
         """The :func:`~flax_escale.create_mesh` call that builds this mesh."""
         named = ", ".join(f"{a}={s}" for a, s in self.shape.items())
-        return f"flax_escale.create_mesh({self.dims})  # {named}"
+        if tuple(self.shape) == DEFAULT_AXIS_NAMES:
+            return f"flax_escale.create_mesh({self.dims})  # {named}"
+        return f"flax_escale.create_mesh({self.dims}, {tuple(self.shape)})  # {named}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +233,26 @@ class MeshPlan:
                 "optimizer state, or rematerialization."
             )
         rules = "flax_escale.PartitionAxis()" if self.rules is None else repr(list(self.rules))
+        pipeline = self.best.figures.pipeline
+        if pipeline is not None:
+            # The pipelined workload's rules: the default ones with the stage axis, unless the
+            # workload's factory gave its own.
+            if self.rules is None:
+                rules = "flax_escale.PartitionAxis(pipeline_parallel_axis='pp')"
+            remat = None if pipeline["remat"] == "none" else pipeline["remat"]
+            run = (
+                f"# the stack runs as a pipeline: flax_escale.nnx.pipeline_stack(stack, x, "
+                f"microbatches={pipeline['microbatches']}, repeats={pipeline['repeats']}, "
+                f"remat={remat!r}) (Linen: flax_escale.linen.pipelined)"
+            )
         # init_sharded returns a Linen model's variables, and an NNX model itself.
         init = (
             "variables = flax_escale.init_sharded(model, mesh, rng, *args, rules=rules)"
             if self.front_end == "linen"
             else "model = flax_escale.init_sharded(Model, mesh, rng, *args, rules=rules)"
         )
-        return "\n".join([f"mesh = {self.best.create_mesh_call()}", f"rules = {rules}", init])
+        lines = [f"mesh = {self.best.create_mesh_call()}", f"rules = {rules}", init]
+        return "\n".join(lines if pipeline is None else [*lines, run])
 
     def title(self) -> str:
         """What the table's figures are: the devices and budget, whose compiler, which profile.

@@ -77,13 +77,23 @@ class Workload:
             vector). Without one, those of the first array: a float array of rank 3 or more is
             batch x sequence x features, so its first two count; a matrix is rows of features,
             so only its rows count (a ``(64, 1024)`` float batch is 64 tokens).
+        layers: The layer count of the model's stack of identical layers, which a pipeline
+            splits into stages; needed with ``pipelined``.
+        pipelined: A function called as ``pipelined(microbatches=m, repeats=v, remat=r)``
+            returning the Workload whose model runs its stack with
+            :func:`flax_escale.nnx.pipeline_stack` (or :func:`flax_escale.linen.pipelined`)
+            over the mesh's ``pp`` axis, with those settings
+            (:data:`flax_escale.pipeline.Remat` for ``r``). Given it, :func:`plan_mesh` also
+            plans pipelines: ``pp`` (stages dividing ``layers``), microbatches, repeats and a
+            rematerialization policy. Without it, no pipeline is planned.
 
     Raises:
         EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays,
             ``init_kwargs`` that are not a mapping, a ``step`` or ``loss`` that is not a
             function taking the arguments it is called with, or ``tokens`` that is neither an
-            index nor an ``(index, dimensions)`` pair.
-        EscaleError: For ``tokens`` naming an array the batch lacks, a scalar, or more
+            index nor an ``(index, dimensions)`` pair, or a ``pipelined`` that is not a function.
+        EscaleError: For ``pipelined`` without ``layers``, ``layers`` below 1, or ``tokens``
+            naming an array the batch lacks, a scalar, or more
             dimensions than its array has.
     """
 
@@ -101,6 +111,8 @@ class Workload:
     init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gather_at_use: bool = False
     tokens: int | tuple[int, int] | None = None
+    layers: int | None = None
+    pipelined: Callable[..., Workload] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.args, tuple):
@@ -157,8 +169,21 @@ class Workload:
                     "used: fe.constrain(self.table[...], ('vocab', None))."
                 )
             data_axes(self.rules)  # refused here, not on the first mesh, if nothing to gather
+        self._check_pipeline()
         # The model, its arguments and the options are checked here, once for every mesh.
         _ = self.call, self.options, self.token_dims
+
+    def _check_pipeline(self) -> None:
+        if self.layers is not None:
+            object.__setattr__(self, "layers", check.positive_int(self.layers, "Workload layers"))
+        if self.pipelined is None:
+            return
+        check.callable_(self.pipelined, "Workload pipelined")
+        if self.layers is None:
+            raise EscaleError(
+                "Workload: pipelined is given without layers; the planner splits the stack's "
+                "layers into stages, so pass layers=<the stack's layer count> as well."
+            )
 
     @functools.cached_property
     def token_dims(self) -> tuple[int, tuple[int, ...]] | None:

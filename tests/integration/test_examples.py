@@ -13,6 +13,7 @@ from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
 from flax_escale import sizing
+from flax_escale.pipeline import PipelineError
 
 # The tests that run an example compile it (slow); those of the demo's command line and of its
 # choice of mesh, given a plan, compile nothing.
@@ -48,6 +49,39 @@ def test_nnx_llama_prints_its_plan_and_its_loss_falls(capsys):
     assert "0 corrections, 0 unannotated" in out
     assert len(losses) == 10
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("example", "argv", "schedule", "spec"),
+    [
+        (
+            "nnx_llama",
+            ["--mesh", "pp:4,tp:2", "--layers", "4"],
+            "gpipe pipeline: 4 stages x 1 layers, 8 microbatches, 1 repeat: 11 iterations, "
+            "bubble 27.3%, remat none",
+            P("pp", ("fsdp", "sp"), "tp", None),
+        ),
+        (
+            "linen_gpt",
+            ["--mesh", "pp:2,dp:2,tp:2", "--layers", "4", "--repeats", "2", "--remat", "iteration"],
+            "circular pipeline: 2 stages x 1 layers, 4 microbatches, 2 repeats: 9 iterations, "
+            "bubble 11.1%, remat iteration",
+            P("pp", ("fsdp", "sp"), "tp"),
+        ),
+    ],
+    ids=["nnx-gpipe-pp4", "linen-circular-pp2"],
+)
+def test_examples_train_as_a_pipeline_over_a_pp_mesh(capsys, example, argv, schedule, spec):
+    losses = load(example).main([*argv, "--steps", "3"])
+    out = capsys.readouterr().out
+    # The stacked layers on the stages (4 layers: one per stage and repeat), the schedule
+    # printed right after the plan's summary line.
+    assert str(spec) in out
+    plan_end = out.index("0 corrections, 0 unannotated\n")
+    assert out[plan_end:].splitlines()[1] == schedule
+    assert len(losses) == 3
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.slow
@@ -106,6 +140,103 @@ def test_main_job_with_no_plan_trains_on_the_default_mesh_without_planning(capsy
     assert len(losses) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_main_job_pipelined_starts_from_the_unpipelined_loss(capsys, monkeypatch, api):
+    # Issue 46's demo: a pipeline of 2 stages x 2 fsdp x 2 tp, 4 microbatches, trains, and its
+    # first loss (same parameters, same batch, before any update) is the unpipelined model's.
+    monkeypatch.delenv("COLUMNS", raising=False)  # a log's width: the state's line whole
+    demo = load("train_lm")
+    argv = ["--api", api, "--no-plan", "--steps"]
+    piped = demo.main([*argv, "2", "--mesh", "pp:2,fsdp:2,tp:2", "--microbatches", "4"])
+    out = capsys.readouterr().out
+    plain = demo.main([*argv, "1", "--mesh", "fsdp:4,tp:2"])
+    assert piped[0] == pytest.approx(plain[0], rel=1e-5)
+    assert piped[1] < piped[0]
+    assert "training on pp=2 fsdp=2 tp=2 (8 devices): from --mesh (--no-plan: not ranked)" in out
+    assert "sharding plan on mesh (pp=2, dp=1, fsdp=2, ep=1, tp=2, sp=1)" in out
+    assert re.search(
+        r"^schedule gpipe pipeline: 2 stages x 1 layers, 4 microbatches, 1 repeat: 5 "
+        r"iterations, bubble 20\.0%, remat none$",
+        out,
+        re.M,
+    ), out
+    # The state's per-device figure counts each stage's layers once (2x the ideal share if the
+    # stacked layers were counted whole on every stage).
+    state = re.search(r"^parameters and optimizer state: .* balance ([\d.]+)x the ideal", out, re.M)
+    assert state, out
+    assert float(state[1]) < 1.5, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--microbatches", "4", "--mesh", "fsdp:4,tp:2"],
+            r"--microbatches configure a pipeline, and --mesh has no 'pp' axis to run it over: "
+            r"add one, e.g. --mesh pp:2,fsdp:2,tp:2",
+        ),
+        (
+            ["--repeats", "2", "--remat", "layer"],
+            r"--repeats, --remat configure a pipeline, and --mesh has no 'pp' axis",
+        ),
+        (["--mesh", "pp:4,tp:2"], r"the stack has 2 layers, which 4 stages x 1 repeat"),
+        (
+            ["--mesh", "pp:2,tp:4", "--microbatches", "3"],
+            r"microbatches=3 is not a multiple of the 2 stages",
+        ),
+        (
+            ["--mesh", "pp:2,tp:4", "--microbatches", "6"],
+            r"a batch of 16 rows cannot be cut into 6 equal microbatches",
+        ),
+    ],
+    ids=["no-pp-axis", "no-pp-axis-two-flags", "layers", "microbatches", "batch"],
+)
+def test_main_job_checks_its_pipeline_before_planning(monkeypatch, devices, argv, message):
+    # No plan to return: planning first would fail the test with an AssertionError.
+    with pytest.raises(PipelineError, match=message):
+        _choose(monkeypatch, devices, argv)
+
+
+def test_pipeline_options_default_to_twice_the_stages_and_keep_a_scan_without_pp(devices):
+    options, llama = load("pipeline_options"), load("nnx_llama")
+    parser = load("train_lm").build_parser()
+    mesh = fe.parse_mesh_from_string("pp:4,tp:2", fe.mesh.DEFAULT_AXIS_NAMES, partial=True)
+    args = parser.parse_args(["--layers", "8", "--remat", "save_dots"])
+    config, schedule = options.configure(llama.Config(), args, mesh)
+    assert (config.layers, config.microbatches, config.repeats, config.remat) == (
+        8,
+        8,
+        1,
+        "save_dots",
+    )
+    assert (schedule.stages, schedule.layers_per_stage, schedule.iterations) == (4, 2, 11)
+    assert options.rules(mesh).layers_axis == "pp"
+    plain = fe.parse_mesh_from_string("fsdp:4,tp:2", fe.mesh.DEFAULT_AXIS_NAMES, partial=True)
+    config, schedule = options.configure(llama.Config(), parser.parse_args([]), plain)
+    assert config == llama.Config()
+    assert schedule is None
+    assert options.rules(plain) == fe.PartitionAxis()
+
+
+@pytest.mark.parametrize("example", ["nnx_llama", "linen_gpt"])
+def test_example_workloads_offer_the_planner_their_pipeline(example):
+    module = load(example)
+    workload = module.workload(module.Config(layers=4))
+    assert workload.layers == 4
+    staged = workload.pipelined(microbatches=8, repeats=2, remat="iteration")
+    config = staged.args[0] if example == "nnx_llama" else staged.model.config
+    assert (config.layers, config.microbatches, config.repeats, config.remat) == (
+        4,
+        8,
+        2,
+        "iteration",
+    )
+    assert staged.rules == fe.PartitionAxis(pipeline_parallel_axis="pp")
+    assert staged.pipelined is None
+    assert staged.batch == workload.batch
+
+
 def test_main_job_rejects_an_unknown_axis():
     names = r"\('dp', 'fsdp', 'ep', 'tp', 'sp'\)"
     with pytest.raises(fe.MeshError, match=rf"axis name 'model' in token 'model:8'.*{names}"):
@@ -153,7 +284,8 @@ def test_quick_start_command_one_runs_in_a_fresh_process():
 def test_main_job_gives_every_option_help_text(capsys):
     parser = load("train_lm").build_parser()
     options = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
-    assert {"--api", "--steps", "--batch", "--mesh", "--no-plan", "--devices"} <= {
+    flags = {"--api", "--steps", "--batch", "--mesh", "--no-plan", "--devices", "--layers"}
+    assert {*flags, "--microbatches", "--repeats", "--remat"} <= {
         flag for action in options for flag in action.option_strings
     }
     for action in options:

@@ -14,6 +14,7 @@ section), so every test module, in any directory, imports these as ``support``:
   file of the module that raises each mistake's error;
 - ``support.mlp_plan``: a small Linen MLP and its plan (plan diffs, JSON, snapshots);
 - ``support.pictures``: models, plans and a console for the layout pictures' tests;
+- ``support.pipelines``: the rules, meshes and comparisons the pipeline tests share;
 - ``support.plain_reads``: the check that a model's code reads plain arrays, and a tied-head model;
 - ``support.real_models``: small rewrites of Flax's example models and what their tests share;
 - ``support.tiny_workloads``: a tiny Linen workload planned on 2 devices, for the planner's tests.

@@ -8,6 +8,7 @@ recognises collectives a compiler writes in another form than the textbook's; an
 this package imports from here.
 """
 
+from flax_escale.sizing._hlo._pipeline import PipelineFigures, Reduction, pipeline_figures
 from flax_escale.sizing._hlo._reader import (
     READER_VERSION,
     CollectiveCost,
@@ -24,9 +25,12 @@ __all__ = [
     "SLICED",
     "WINDOWED",
     "CollectiveCost",
+    "PipelineFigures",
     "ProgramCosts",
+    "Reduction",
     "Rewrite",
     "array_bytes",
     "collective_bytes",
+    "pipeline_figures",
     "program_costs",
 ]

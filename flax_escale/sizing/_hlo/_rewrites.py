@@ -28,7 +28,7 @@ from flax_escale.sizing._hlo._text import (
     elements,
 )
 
-__all__ = ["SLICED", "WINDOWED", "ring", "sliced_arrays"]
+__all__ = ["SLICED", "WINDOWED", "ring", "ring_size", "sliced_arrays"]
 
 SLICED = "all-reduce + dynamic-slice"
 WINDOWED = "collective-permute ring in a windowed matmul loop"
@@ -107,7 +107,7 @@ def ring(
     sent = trips * sum(array_bytes(i.shape) for i in permutes)
     sent += sum(array_bytes(i.shape) for i in peeled)
     shard = array_bytes(permutes[0].shape)
-    n = _ring_size(body, permutes[0]) or module.devices
+    n = ring_size(body, permutes[0]) or module.devices
     if form.group(1) == "ag":
         return "all-gather", shard * n, sent, shard * (n - 1)
     return "reduce-scatter", shard, sent, shard * (n - 1)
@@ -166,8 +166,12 @@ def _reaches(computation: Computation, source: str, target: str) -> bool:
     return False
 
 
-def _ring_size(body: Computation, permute: Instruction) -> int | None:
-    # The length of the cycle its source-target pairs form (a -done's start holds them).
+def ring_size(body: Computation, permute: Instruction) -> int | None:
+    """The length of the cycle a permute's source-target pairs form from their first sender.
+
+    ``permute`` is a ``collective-permute`` or a ``-done`` in ``body`` (whose start holds the
+    pairs); None if it lists no pairs.
+    """
     start = body.by_name.get(permute.operands[0]) if permute.opcode.endswith("-done") else None
     listed = _PAIRS.search((start or permute).attributes)
     following = {int(s): int(t) for s, t in _PAIR.findall(listed.group(1) if listed else "")}
