@@ -131,35 +131,48 @@ def pipeline(
         functools.partial(_chunked, on, axis, repeats, stages * schedule.layers_per_stage),
         params,
     )
+    frozen = as_logical_rules(rules)
+    data = _data_axes(frozen, on, axis, rows)
     # Microbatch i is rows i, i + m, i + 2m, ...: each microbatch takes an equal share of every
     # device's rows, so cutting the batch moves nothing.
-    x = _microbatchable(on, axis, rows, x)
+    x = _on_data_axes(on, data, x)
+    weights = jax.tree.map(functools.partial(_whole_over_data, on, axis, data), weights)
     batched = x.reshape(rows, microbatches, *x.shape[1:]).swapaxes(0, 1)
+    rows_spec = PartitionSpec(None, data or None)
     run = jax.shard_map(
-        functools.partial(_loop, body_of, schedule, axis),
+        functools.partial(_loop, body_of, schedule, axis, data),
         mesh=on,
-        in_specs=(jax.tree.map(lambda _: PartitionSpec(None, axis), weights), PartitionSpec()),
-        out_specs=PartitionSpec(),
-        axis_names=frozenset({axis}),
+        in_specs=(jax.tree.map(lambda _: PartitionSpec(None, axis), weights), rows_spec),
+        out_specs=rows_spec,
+        axis_names=frozenset({axis, *data}),
     )
-    with nn.logical_axis_rules(stage_rules(as_logical_rules(rules), axis)):
+    with nn.logical_axis_rules(stage_rules(frozen, axis, data=data)):
         out = run(weights, batched)
     return out.swapaxes(0, 1).reshape(x.shape)
 
 
-def stage_rules(rules: LogicalRules, axis: str = "pp") -> LogicalRules:
-    """``rules`` less the mesh axis ``axis``: the rules in force inside a pipeline's stages.
+def stage_rules(
+    rules: LogicalRules, axis: str = "pp", *, data: tuple[str, ...] = ()
+) -> LogicalRules:
+    """``rules`` less the stage axis and the ``data`` axes: the rules in force inside the stages.
+
+    Inside a pipeline the stage axis belongs to the stages, and the data axes the batch is
+    split over are the stages' own too (each device runs its rows of every microbatch), so no
+    constraint there may name them.
 
     Example:
         >>> from flax_escale.pipeline import stage_rules
         >>> stage_rules((("batch", ("fsdp", "dp", "pp")), ("layers", "pp")))
         (('batch', ('fsdp', 'dp')), ('layers', None))
+        >>> stage_rules((("batch", ("fsdp", "pp")), ("embed", ("fsdp", "tp"))), data=("fsdp",))
+        (('batch', None), ('embed', 'tp'))
     """
+    gone = {axis, *data}
     kept = []
     for name, target in rules:
         axes = mesh_axes_of(target)
-        if axis in axes:
-            left = tuple(a for a in axes if a != axis)
+        if gone.intersection(axes):
+            left = tuple(a for a in axes if a not in gone)
             target = left if len(left) > 1 else (left[0] if left else None)
         kept.append((name, target))
     return tuple(kept)
@@ -169,13 +182,20 @@ def _loop(
     body: Callable[[Any, jax.Array], jax.Array],
     schedule: Schedule,
     axis: str,
+    data: tuple[str, ...],
     weights: Any,
     batched: jax.Array,
 ) -> jax.Array:
-    # One device: its stage's chunks [repeats, layers_per_stage, ...] and every microbatch.
+    # One device: its stage's chunks [repeats, layers_per_stage, ...] whole over the data axes
+    # (gathered once, before the program enters the loop) and its rows of every microbatch.
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     stage = jax.lax.axis_index(axis)
     forward = [(i, (i + 1) % p) for i in range(p)]
+    # The weights meet each device's own rows: said once here, the gradients add up locally
+    # through every iteration and are summed over the data axes once, after the loop (said at
+    # each use, they would be summed at each use, in every iteration).
+    if data:
+        weights = jax.lax.pcast(weights, data, to="varying")
     per_repeat = jax.tree.map(
         lambda a: a.reshape(v, schedule.layers_per_stage, *a.shape[2:]), weights
     )
@@ -207,8 +227,12 @@ def _loop(
     state, buffer = jax.lax.pcast((jnp.zeros_like(batched[0]), batched), (axis,), to="varying")
     state, buffer = jax.lax.fori_loop(0, schedule.iterations, iteration, (state, buffer))
     _, buffer = arrive(state, buffer, jnp.asarray(schedule.iterations))
-    # The outputs are on the first stage; every stage returns them (one sum over the axis).
-    return jax.lax.psum(jnp.where(stage == 0, buffer, jnp.zeros_like(buffer)), axis)
+    # The outputs are on the first stage; every stage returns them (one sum over the axis, in
+    # float32 or wider: XLA:CPU fails to compile a bfloat16 sum over part of a mesh's axes, and
+    # adding zeros is exact in any type).
+    first = jnp.where(stage == 0, buffer, jnp.zeros_like(buffer))
+    wide = jnp.promote_types(first.dtype, jnp.float32)
+    return jax.lax.psum(first.astype(wide), axis).astype(first.dtype)
 
 
 def _chunked(
@@ -233,24 +257,60 @@ def _chunked(
     return jax.sharding.reshard(chunks, PartitionSpec(None, axis, *spec[1:]))
 
 
-def _microbatchable(mesh: Mesh | AbstractMesh, axis: str, rows: int, x: jax.Array) -> jax.Array:
-    # On Explicit axes, x laid out for the cut into microbatches. Every stage takes every
-    # microbatch (in_specs P()), so the stage axis comes off the batch (the rules' batch
-    # includes pp, as data parallelism outside the pipeline), or the gradient comes back typed
-    # without it; and a microbatch's rows must split over the batch's other axes, or the
-    # reshape that cuts the batch has no sharding JAX can name (the batch is then gathered).
+def _data_axes(
+    rules: LogicalRules, mesh: Mesh | AbstractMesh, axis: str, rows: int
+) -> tuple[str, ...]:
+    # The mesh axes the stages run manually besides the stage axis: the batch's (as the rules
+    # place it), less any axis the rules give first to something other than a batch (an
+    # expert's ep stays with the compiler), less size-1 axes, and only as many as split a
+    # microbatch's rows evenly.
+    first: dict[str, tuple[str, ...]] = {}
+    for name, target in rules:
+        first.setdefault(name, mesh_axes_of(target))
+    batch = first.get("batch", ())
+    batch_like = {batch, first.get("expert_batch", batch)}
+    taken = {a for axes in first.values() if axes not in batch_like for a in axes}
+    sizes = dict(mesh.shape)
+    data: tuple[str, ...] = ()
+    for a in batch:
+        fits = rows % (math.prod(sizes[d] for d in data) * sizes.get(a, 1)) == 0
+        if a != axis and a not in taken and sizes.get(a, 1) > 1 and fits:
+            data = (*data, a)
+    return data
+
+
+def _whole_over_data(
+    mesh: Mesh | AbstractMesh, axis: str, data: tuple[str, ...], chunks: jax.Array
+) -> jax.Array:
+    # On Explicit axes, the chunks [repeats, stages * layers_per_stage, ...] on the stage axis
+    # and whole over the data axes, as the stages take them: the gather over the data axes is
+    # then a visible step of the program, once per step. Auto axes move by themselves.
+    if AxisType.Explicit not in mesh.axis_types:
+        return chunks
+    given = tuple(getattr(getattr(jax.typeof(chunks), "sharding", None), "spec", ()))
+    rest = [
+        tuple(a for a in mesh_axes_of(entry) if a not in data and a != axis)
+        for entry in (*given, *(None,) * (chunks.ndim - len(given)))[2:]
+    ]
+    wanted = PartitionSpec(None, axis, *(e if len(e) > 1 else (e[0] if e else None) for e in rest))
+    if tuple(wanted) == given:
+        return chunks
+    return jax.sharding.reshard(chunks, wanted)
+
+
+def _on_data_axes(mesh: Mesh | AbstractMesh, data: tuple[str, ...], x: jax.Array) -> jax.Array:
+    # On Explicit axes, the batch laid out on the data axes only (not the stage axis the rules
+    # also give it outside the pipeline), so that cutting it into microbatches keeps each
+    # device's rows and the stages receive them as they expect; the other dimensions keep
+    # their axes. Auto axes move by themselves.
     if AxisType.Explicit not in mesh.axis_types:
         return x
-    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
-    kept = [tuple(a for a in mesh_axes_of(entry) if a != axis) for entry in spec]
-    sizes = dict(mesh.shape)
-    if kept and rows % math.prod(sizes[a] for a in kept[0]):
-        kept[0] = ()
-    wanted = tuple(entry if len(entry) > 1 else (entry[0] if entry else None) for entry in kept)
-    given = tuple(e if not isinstance(e, tuple) or len(e) > 1 else e[0] for e in spec)
-    if wanted == given:
+    given = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
+    rest = (*given, *(None,) * (x.ndim - len(given)))[1:]
+    wanted = PartitionSpec(data or None, *rest)
+    if tuple(wanted) == given:
         return x
-    return jax.sharding.reshard(x, PartitionSpec(*wanted))
+    return jax.sharding.reshard(x, wanted)
 
 
 def _stage_body(layer: Layer, remat: str) -> Callable[[Any, jax.Array], jax.Array]:

@@ -68,10 +68,11 @@ class Reduction:
 
         A weight's gradient is the weight's shape (one layer's, without the stack's dimension)
         or any shard of it (each dimension dividing the weight's), with up to two leading
-        dimensions (the chunk's layers, the repeats); a result of ``psum`` (the pipeline's
-        outputs gathered on every stage) is not a gradient.
+        dimensions (the chunk's layers, the repeats); a result of ``psum`` in the forward pass
+        (the pipeline's outputs gathered on every stage) is not a gradient, and the transpose
+        of one (the gradients of weights the stages hold whole, summed over the data axes) is.
         """
-        if "psum" in self.op_name.rsplit("/", 1)[-1]:
+        if "psum" in self.op_name.rsplit("/", 1)[-1] and "transpose" not in self.op_name:
             return False
         shapes = [tuple(s) for s in layer_shapes]
         return any(_shard_of(dims, shape) for _, dims in self.arrays for shape in shapes)
