@@ -1,8 +1,8 @@
 """B12: pipelined training steps beside their schedule's bounds, measured from the compiled program.
 
 Run: ``python bench/b12_pipeline.py`` (both models on 8 simulated CPU devices, GPipe and
-circular, with and without rematerialization per iteration: 8 compiles, a few minutes on a
-2-core host). ``--devices 8 64`` adds 64 devices, ``--compilers cpu tpu`` the TPU compiler
+circular, with and without rematerialization per iteration: 8 compiles, under a minute on
+a 2-core host). ``--devices 8 64`` adds 64 devices, ``--compilers cpu tpu`` the TPU compiler
 (``libtpu``: a v5p-16 slice for 8 chips, a v5p-128 for 64, described by
 ``jax.experimental.topologies``; nothing runs); ``--models``, ``--schedules``, ``--remat``
 choose subsets, ``--dump DIR`` keeps the compiled programs (``--help``). Every program is
@@ -10,12 +10,16 @@ compiled ahead of time, one at a time, and nothing is allocated.
 
 The step: a stack of plain-JAX pre-norm decoder layers (causal multi-head attention without
 biases; Llama's gated MLP of three matrices, or GPT-2's two with GELU) at real shapes, run by
-:func:`flax_escale.pipeline.pipeline` over ``pp`` with FSDP inside the stages (the stack's
-``layers`` dimension on ``pp``, its first matrix dimension and the batch on ``fsdp``), the
+:func:`flax_escale.pipeline.pipeline` over ``pp`` with FSDP (the stack's ``layers``
+dimension on ``pp``, its first matrix dimension and the batch on ``fsdp``), the
 loss and gradients (``jax.value_and_grad``) and an AdamW update of the donated state
-(parameters and both moments, float32). Activations are bfloat16 on the TPU compiler and
-float32 on XLA:CPU, which aborts on a bfloat16 ``psum`` inside a shard_map that is manual over
-``pp`` only (the pipeline's outputs; XLA's all-reduce promotion, jax 0.10.2).
+(parameters and both moments, float32). Inside the stages ``fsdp`` is one of the pipeline's
+data axes (the batch's axes that split a microbatch's rows): the stages are manual over ``pp``
+and ``fsdp``, each stage's weights are gathered whole over ``fsdp`` once per step, before the
+loop, and their gradients summed over it once per step, after it. Activations are bfloat16 on
+both compilers (matmuls in bfloat16, weights cast from float32 inside each layer); XLA:CPU
+compiles it, and sends the bfloat16 activations in float32 (its permute bytes are twice the
+analytic count, its permute count is the schedule's).
 
 - Llama-7B: hidden 4,096, 32 heads, MLP 11,008, 32 layers, 2,048 tokens; 8 devices as
   ``pp=4 x fsdp=2`` with 16 sequences, 64 as ``pp=8 x fsdp=8`` with 64; 8 microbatches;
@@ -24,11 +28,13 @@ float32 on XLA:CPU, which aborts on a bfloat16 ``psum`` inside a shard_map that 
   with 16 sequences, ``pp=4 x fsdp=16`` with 128; 8 microbatches; circular: 3 repeats (12
   layers split into 4 stages x 3 chunks).
 
-The embedding and the logits are left out: the figures are the stack's.
+Every mesh gives each device one row (sequence) of each microbatch. The embedding and the
+logits are left out: the figures are the stack's.
 
 Read from the compiled program (``_support.pipeline_figures``, the library's HLO reader) and
 printed beside the schedule's figures (:class:`flax_escale.pipeline.Schedule`), per device
-per step, with ``p`` stages, ``m`` microbatches, ``v`` repeats:
+per step, with ``p`` stages, ``m`` microbatches, ``v`` repeats and ``L`` layers (a stage
+runs ``lps = L / (p v)`` layers per iteration, one chunk; ``L / p`` in all):
 
 - ``iters``: the pipeline loops' trip counts (forward / backward) beside ``m v + p - 1``;
 - ``bubble``: ``(p - 1) / iterations`` from the measured stages (the permutes' cycle) and
@@ -40,11 +46,33 @@ per step, with ``p`` stages, ``m`` microbatches, ``v`` repeats:
   gradients, beside one run of each (``ops``): more means they run inside the loop, once per
   iteration (per microbatch);
 - ``peak``: ``memory_analysis()`` (arguments, outputs and temporaries, less what the donated
-  state aliases) beside the analytic ``state + in flight``: the AdamW state (3 x the stage's
-  parameters over fsdp) plus ``Schedule.activations_in_flight(remat=...)`` microbatch
-  activations (without rematerialization, one per layer per iteration; with it, one per
-  iteration). The layers' internals (attention's scores, the MLP's hidden) are not in the
-  analytic count: the ratio says how much they add.
+  state aliases) beside the analytic bound, the sum of
+
+  - ``state``: the AdamW state as sharded, ``3 x`` the stack's float32 parameters over
+    ``pp x fsdp``, and the input batch (its rows on the device, every stage);
+  - ``weights``: the stage's layers (``L / p`` of them, all its chunks) gathered whole over
+    ``fsdp``, float32 (the gather is one all-gather per weight per step, before the loop);
+  - ``grads``: their float32 gradient accumulator, the same size (it adds up through the
+    loop and is summed over ``fsdp`` after it);
+  - ``in flight``: ``Schedule.activations_in_flight(remat=...)`` microbatch activations (a
+    layer's input per layer per iteration without rematerialization, one per iteration with
+    it), one row x tokens x hidden each;
+  - ``internals``: what the layers keep inside beside their inputs, per layer per microbatch
+    (``internals_per_layer``: the normed inputs, queries, keys, values, attention's
+    probabilities of ``heads x tokens x tokens``, its output and the residual sum, the MLP's
+    pre-activations and product). Without rematerialization every layer kept in flight keeps
+    them (``iterations x lps`` of them, the loop's saved residuals); with rematerialization per
+    iteration, the backward pass recomputes one iteration's chunk at a time and keeps its
+    layers' internals while it runs back through them (one chunk's layers, ``L / (p v)``).
+
+  Printed below the row, not in the bound: the stage's weights the program keeps once per
+  iteration (``stacked_weights``: its arrays shaped ``[iterations, layers per chunk,
+  *weight]``), by element type.
+
+  The bound is the oracle: the ratio says what the program keeps beyond it (the benchmarks
+  page names it: the chunk's weights saved once per iteration for the backward pass, and
+  XLA:CPU's float32 copies of bfloat16 internals) or saves (what it fuses instead of
+  keeping).
 """
 
 from __future__ import annotations
@@ -52,6 +80,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import time
 from pathlib import Path
 
@@ -92,6 +121,8 @@ MESHES = {
 }
 TPU_TARGETS = {8: "v5p-16", 64: "v5p-128"}
 MICROBATCHES = 8
+DTYPE = jnp.bfloat16  # the activations' type, on both compilers
+ITEMSIZE = {"f32": 4, "bf16": 2}
 
 
 def layer_shapes(model: Model) -> dict[str, tuple[int, int]]:
@@ -101,6 +132,19 @@ def layer_shapes(model: Model) -> dict[str, tuple[int, int]]:
     if model.gated:
         shapes["gate"] = (h, f)
     return shapes
+
+
+def internals_per_layer(model: Model, rows: int) -> int:
+    """Elements one layer keeps for its backward pass on ``rows`` sequences, besides its input.
+
+    Attention: the normed input, queries, keys, values, its output and the residual sum (six
+    ``rows x tokens x hidden``) and the softmax's probabilities (``rows x heads x tokens x
+    tokens``); the MLP: its normed input and its pre-activations and product (gate, up and
+    their product for Llama's; the pre-activation and the GELU for GPT-2's).
+    """
+    tokens = rows * model.length
+    mlp = (3 if model.gated else 2) * model.mlp
+    return tokens * (7 * model.hidden + mlp) + rows * model.heads * model.length**2
 
 
 def decoder_layer(model: Model, w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -157,7 +201,6 @@ def measure(
     model = MODELS[name]
     pp, fsdp, batch = MESHES[name, target.device_count]
     schedule = Schedule(pp, MICROBATCHES, model.circular if kind == "circular" else 1, model.layers)
-    dtype = jnp.bfloat16 if target.platform == "tpu" else jnp.float32
     mesh = fe.create_mesh((pp, fsdp), ("pp", "fsdp"), devices=target.devices())
     shapes = layer_shapes(model)
 
@@ -167,12 +210,34 @@ def measure(
 
     params = {n: weight(s) for n, s in shapes.items()}
     x = jax.ShapeDtypeStruct(
-        (batch, model.length, model.hidden), dtype, sharding=NamedSharding(mesh, P("fsdp"))
+        (batch, model.length, model.hidden), DTYPE, sharding=NamedSharding(mesh, P("fsdp"))
     )
     step = jax.jit(
         lambda state, x: train_step(model, schedule, remat, state, x), donate_argnums=(0,)
     )
-    row = {"model": name, "kind": kind, "remat": remat or "none", "schedule": schedule}
+    itemsize = jnp.dtype(DTYPE).itemsize
+    rows = batch // MICROBATCHES // fsdp  # a microbatch's rows on one device
+    microbatch = rows * model.length * model.hidden * itemsize
+    layer_bytes = sum(a * b for a, b in shapes.values()) * 4  # float32
+    stage_layers = model.layers // pp
+    remats = remat == "iteration"
+    kept_layers = (
+        schedule.layers_per_stage if remats else schedule.iterations * schedule.layers_per_stage
+    )
+    bound = {
+        "state": 3 * model.layers * layer_bytes // (pp * fsdp) + batch // fsdp * microbatch // rows,
+        "weights": stage_layers * layer_bytes,
+        "grads": stage_layers * layer_bytes,
+        "in flight": schedule.activations_in_flight(remat=remats) * microbatch,
+        "internals": kept_layers * internals_per_layer(model, rows) * itemsize,
+    }
+    row = {
+        "model": name,
+        "kind": kind,
+        "remat": remat or "none",
+        "schedule": schedule,
+        "bound": bound,
+    }
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
@@ -188,9 +253,6 @@ def measure(
         (dump / label).write_text(compiled.as_text())
     figures = pipeline_figures(compiled)
     memory = compiled.memory_analysis()
-    rows_per_device = batch // MICROBATCHES // fsdp
-    microbatch = rows_per_device * model.length * model.hidden * jnp.dtype(dtype).itemsize
-    state = 3 * model.layers * sum(a * b for a, b in shapes.values()) * 4 // (pp * fsdp)
     grads = figures.weight_reductions(shapes.values())
     row |= {
         "figures": figures,
@@ -203,17 +265,32 @@ def measure(
         + memory.temp_size_in_bytes
         - memory.alias_size_in_bytes,
         "temp": memory.temp_size_in_bytes,
-        "state": state,
-        "in_flight": schedule.activations_in_flight(remat=remat == "iteration") * microbatch,
-        "dtype": jnp.dtype(dtype).name,
+        "stacked": stacked_weights(compiled.as_text(), schedule, shapes),
     }
     return row
+
+
+def stacked_weights(
+    text: str, schedule: Schedule, shapes: dict[str, tuple[int, int]]
+) -> dict[str, int]:
+    """Bytes of the chunk's weights the program keeps once per iteration, by element type.
+
+    An array ``[iterations, layers per chunk, *weight]`` is a weight saved by the loop for
+    every iteration (the backward pass's residual); the bound has none.
+    """
+    found: dict[str, int] = {}
+    for dims in shapes.values():
+        stacked = (schedule.iterations, schedule.layers_per_stage, *dims)
+        pattern = rf"\b(f32|bf16)\[{','.join(str(d) for d in stacked)}\]"
+        for dtype in sorted(set(re.findall(pattern, text))):
+            found[dtype] = found.get(dtype, 0) + math.prod(stacked) * ITEMSIZE[dtype]
+    return found
 
 
 HEADER = (
     f"{'model':<8} {'schedule':<9} {'remat':<9} {'p m v':<7} {'iters fwd/bwd':>13} "
     f"{'bound':>5} {'bubble':>6} {'formula':>7} {'permute':>10} {'bound':>10} {'ratio':>5} "
-    f"{'grad red. runs/ops':>18} {'peak':>10} {'state+flight':>12} {'ratio':>5} "
+    f"{'grad red. runs/ops':>18} {'peak':>10} {'bound':>12} {'ratio':>5} "
     f"{'compile':>7}"
 )
 
@@ -225,10 +302,13 @@ def line(row: dict) -> str:
         f"{f'{s.stages} {s.microbatches} {s.repeats}':<7}"
     )
     if "failed" in row:
-        return f"{head} not compiled ({row['seconds']:.0f} s): {row['failed'][:160]}"
+        return (
+            f"{head} not compiled ({row['seconds']:.0f} s), bound "
+            f"{format_bytes(sum(row['bound'].values()))}: {row['failed'][:160]}"
+        )
     f = row["figures"]
     loops = "/".join(str(n) for n in f.loops)
-    bound = row["state"] + row["in_flight"]
+    bound = sum(row["bound"].values())
     reductions = f"{row['grad_runs']}/{row['grad_ops']}"
     return (
         f"{head} {loops:>13} {s.iterations:>5} {f.bubble_fraction or 0:>6.3f} "
@@ -243,11 +323,16 @@ def detail(row: dict) -> str:
     if "failed" in row:
         return ""
     notes = [
-        f"temporaries {format_bytes(row['temp'])}, state {format_bytes(row['state'])}, "
-        f"in flight {format_bytes(row['in_flight'])}",
+        f"temporaries {format_bytes(row['temp'])}; bound: "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in row["bound"].items()),
         "permuted "
         + ", ".join(f"{t} {format_bytes(b)}" for t, b in row["figures"].permute_types.items()),
     ]
+    if row["stacked"]:
+        notes.append(
+            "weights kept per iteration "
+            + ", ".join(f"{t} {format_bytes(b)}" for t, b in row["stacked"].items())
+        )
     if row["grad_shapes"]:
         notes.append("reduced in the loop: " + "; ".join(row["grad_shapes"]))
     return "    " + "; ".join(notes)

@@ -76,7 +76,7 @@ def pipelined(
         ...     y, _ = jax.jit(stack.apply)(variables, x, None)
         >>> scanned = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
         ...                   length=4)(name="blocks")
-        >>> bool(jnp.allclose(y, scanned.apply(variables, x, None)[0], rtol=1e-6))
+        >>> bool(jnp.allclose(y, scanned.apply(variables, x, None)[0], atol=1e-6))
         True
     """
     if not (isinstance(block, type) and issubclass(block, nn.Module)):

@@ -70,7 +70,7 @@ def pipeline_stack(
         >>> @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         ... def scanned(h, layer):
         ...     return layer(h)
-        >>> bool(jnp.allclose(y, scanned(x, stack), rtol=1e-6))
+        >>> bool(jnp.allclose(y, scanned(x, stack), atol=1e-6))
         True
     """
     if not isinstance(stack, nnx.Module):

@@ -109,8 +109,9 @@ def test_a_pipeline_candidate_is_compiled_explained_and_ranked(cache):
         "compute x1.25 in the FLOPs); 5 microbatch activations in flight per stage; permutes "
         "24.00 KiB/step; "
     )
-    # Ranked among the meshes that fit; with every link fast, the bubble and the gathers
-    # repeated per iteration cost more than FSDP over all 8 devices.
+    # Ranked among the meshes that fit; with every link fast, this tiny step's estimate is
+    # latencies, and the pipeline's permutes (one per iteration, forward and backward) make its
+    # collectives outnumber those of FSDP over all 8 devices.
     assert plan.fitting == (by_label["fsdp=8"], pipelined)
     shown = io.StringIO()
     Console(file=shown, width=140).print(plan.table())
