@@ -70,9 +70,9 @@ runs ``lps = L / (p v)`` layers per iteration, one chunk; ``L / p`` in all):
   *weight]``), by element type.
 
   The bound is the oracle: the ratio says what the program keeps beyond it (the benchmarks
-  page names it: the chunk's weights saved once per iteration for the backward pass, and
-  XLA:CPU's float32 copies of bfloat16 internals) or saves (what it fuses instead of
-  keeping).
+  page names it: the chunk's weights saved once per iteration by the circular schedule
+  without rematerialization, and XLA:CPU's float32 copies of bfloat16 internals) or saves
+  (what it fuses instead of keeping).
 """
 
 from __future__ import annotations
