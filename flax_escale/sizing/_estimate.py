@@ -20,6 +20,7 @@ from flax_escale._specs import mesh_axes_of
 from flax_escale._units import format_bytes
 from flax_escale.pipeline import Schedule
 from flax_escale.plan import ShardingPlan
+from flax_escale.sizing._hlo import COLLECTIVE_KINDS
 from flax_escale.sizing._profiles import HardwareProfile
 
 __all__ = [
@@ -114,18 +115,8 @@ def slow_collectives(shape: Mapping[str, int], devices_per_host: int | None) -> 
         if size > 1 and size * inner > devices_per_host:
             crossing.add(axis)
         inner *= size
-    return (("pipeline",) if "pp" in crossing else ()) + (_KINDS if crossing - {"pp"} else ())
-
-
-_KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-broadcast",
-)
+    others = COLLECTIVE_KINDS if crossing - {"pp"} else ()
+    return (("pipeline",) if "pp" in crossing else ()) + others
 
 
 RULE_OUT_MARGIN = 2.0

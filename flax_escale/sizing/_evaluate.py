@@ -25,7 +25,6 @@ from flax_escale.sizing._candidates import (
 )
 from flax_escale.sizing._estimate import (
     RULE_OUT_MARGIN,
-    estimate_seconds,
     slow_collectives,
     textbook_communication,
     token_count,
@@ -181,16 +180,7 @@ def evaluate(
                 lambda failed: report({"event": "compiling", "figures": failed.as_json()}),
             )
         if figures.status == "compiled" and _peak(figures) <= memory_bytes:
-            seconds = sum(
-                estimate_seconds(
-                    figures.flops or 0.0,
-                    figures.state_bytes or 0,
-                    figures.collectives,
-                    profile,
-                    figures.slow_collectives,
-                    figures.pipeline_bytes or 0.0,
-                )
-            )
+            seconds = sum(figures.estimate(profile))
             if best is None or seconds < best[0]:
                 best = (seconds, figures.label)
         fits = figures.status == "compiled" and _peak(figures) <= memory_bytes

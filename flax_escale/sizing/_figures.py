@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax_escale.sizing._estimate import estimate_seconds
+from flax_escale.sizing._profiles import HardwareProfile
 from flax_escale.tools import Resharding
 
 __all__ = ["Figures", "mesh_key"]
@@ -82,6 +84,20 @@ class Figures:
         if self.pipeline["remat"] != "none":
             settings.append(f"remat={self.pipeline['remat']}")
         return f"{mesh} ({', '.join(settings)})"
+
+    def estimate(self, profile: HardwareProfile) -> tuple[float, float]:
+        """``(compute, communication)`` seconds of a step on ``profile`` (compiled figures).
+
+        See :func:`~flax_escale.sizing._estimate.estimate_seconds`.
+        """
+        return estimate_seconds(
+            self.flops or 0.0,
+            self.state_bytes or 0,
+            self.collectives,
+            profile,
+            self.slow_collectives,
+            self.pipeline_bytes or 0.0,
+        )
 
     @property
     def key(self) -> tuple[Any, ...]:

@@ -15,7 +15,6 @@ from flax_escale._units import format_bytes
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
 from flax_escale.sizing._estimate import (
     ESTIMATE_TERMS,
-    estimate_seconds,
     explain,
     explain_pipeline,
 )
@@ -89,14 +88,7 @@ class Candidate:
         if figures.status != "compiled":
             return cls(figures, None, None, None)
         peak = max(figures.init_peak_bytes or 0, figures.step_peak_bytes or 0)
-        compute, communication = estimate_seconds(
-            figures.flops or 0.0,
-            figures.state_bytes or 0,
-            figures.collectives,
-            profile,
-            figures.slow_collectives,
-            figures.pipeline_bytes or 0.0,
-        )
+        compute, communication = figures.estimate(profile)
         return cls(figures, peak <= memory_bytes, compute, communication)
 
     def explain(self, profile: HardwareProfile | str) -> str:

@@ -10,6 +10,7 @@ this package imports from here.
 
 from flax_escale.sizing._hlo._pipeline import PipelineFigures, Reduction, pipeline_figures
 from flax_escale.sizing._hlo._reader import (
+    COLLECTIVE_KINDS,
     READER_VERSION,
     CollectiveCost,
     ProgramCosts,
@@ -21,6 +22,7 @@ from flax_escale.sizing._hlo._rewrites import SLICED, WINDOWED
 from flax_escale.sizing._hlo._text import array_bytes
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "READER_VERSION",
     "SLICED",
     "WINDOWED",

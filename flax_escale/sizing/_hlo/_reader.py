@@ -57,6 +57,7 @@ from flax_escale.sizing._hlo._text import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "READER_VERSION",
     "CollectiveCost",
     "ProgramCosts",
@@ -69,7 +70,7 @@ READER_VERSION = 4
 """Changes whenever the same program text would be read into other figures (cached figures
 keyed by the program alone would otherwise outlive a fix to the reader)."""
 
-_KINDS = (
+COLLECTIVE_KINDS = (
     "all-reduce",
     "all-gather",
     "reduce-scatter",
@@ -78,6 +79,7 @@ _KINDS = (
     "ragged-all-to-all",
     "collective-broadcast",
 )
+"""The kinds of collective the reader counts, by their HLO opcodes."""
 # Bytes each device sends (and receives) per byte of a collective's result on one device, for
 # the bandwidth-optimal ring algorithms over a group of n devices.
 _WIRE = {
@@ -268,7 +270,7 @@ def _costs(text: str) -> ProgramCosts:
     sums = _Walk(module).total(module.entry, True)
     collectives = {
         kind: CollectiveCost(int(sums[kind, "count"]), int(sums[kind, "bytes"]), sums[kind, "wire"])
-        for kind in _KINDS
+        for kind in COLLECTIVE_KINDS
         if sums.get((kind, "count"))
     }
     dtypes: dict[str, dict[str, int]] = {}
@@ -316,7 +318,7 @@ class _Walk:
     ) -> None:
         done = op.opcode.endswith("-done") and op.opcode != "async-done"
         kind = op.opcode[: -len("-done")] if done else op.opcode
-        if kind in _KINDS:
+        if kind in COLLECTIVE_KINDS:
             if collectives:
                 # A -done's start holds the replica groups.
                 start = computation.by_name.get(op.operands[0]) if done and op.operands else None
