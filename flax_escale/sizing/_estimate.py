@@ -151,10 +151,9 @@ def textbook_communication(
         of each part in words.
     """
     gathered = reduced = 0.0
-    # A Linen plan's parameters are its "params" collection; an NNX plan has no collections
-    # (its paths are the module's attributes), and its variables are the parameters.
-    linen = [e for e in plan if e.path == "params" or e.path.startswith("params/")]
-    for entry in linen or plan:
+    for entry in plan:
+        if not entry.path.startswith("params/") and entry.path != "params":
+            continue
         shard = entry.nbytes_per_device(mesh)
         split = {a for spec_entry in entry.spec for a in mesh_axes_of(spec_entry)}
         over = math.prod(mesh.shape[a] for a in batch_axes if a in split)

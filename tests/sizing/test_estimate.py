@@ -51,21 +51,3 @@ def test_the_textbook_communication_is_said_in_the_librarys_byte_units():
     assert [e.nbytes_per_device(mesh) for e in plan] == [1024]
     _, detail = textbook_communication(plan, mesh, ("fsdp",), H100)
     assert detail == "parameters gathered once 1.00 KiB + gradients reduce-scattered 0 B per device"
-
-
-def test_the_textbook_communication_counts_an_nnx_models_variables():
-    # An NNX plan has no "params" collection: its paths are the module's attributes
-    # ("kernel"), and they are the parameters to gather (the count was 0, so no NNX mesh was
-    # ever ruled out before compiling).
-    from flax import nnx
-
-    class Linear(nnx.Module):
-        def __init__(self, rngs):
-            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
-            self.kernel = nnx.Param(init(rngs.params(), (16, 32)))
-
-    mesh = fe.create_mesh((1, 2, 1, 1, 1), devices=jax.devices("cpu")[:2])
-    plan = fe.plan_sharding(Linear, mesh, 0)
-    assert [(e.path, e.nbytes_per_device(mesh)) for e in plan] == [("kernel", 1024)]
-    _, detail = textbook_communication(plan, mesh, ("fsdp",), H100)
-    assert detail == "parameters gathered once 1.00 KiB + gradients reduce-scattered 0 B per device"
