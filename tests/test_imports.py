@@ -41,8 +41,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "resolve": ("resolve",),
     # The static plan and placement at run time stand side by side: neither imports the other.
     "plan and sharding": ("plan", "sharding"),
-    # Schedules over a mesh axis (pipelines), below the front ends that wrap them.
-    "schedules": ("pipeline",),
+    # Schedules over a mesh axis (pipelines, context parallelism), below the front ends that wrap
+    # them.
+    "schedules": ("context", "pipeline"),
     "front-end floor": ("_frontend",),
     "front ends": ("linen", "nnx"),
     "entry points": ("_api",),
