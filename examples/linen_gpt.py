@@ -7,7 +7,11 @@ the model and its AdamW state directly sharded, prints every parameter's spec, a
 steps on a toy next-token task (count upwards modulo the vocabulary) so that the loss visibly
 falls. A mesh with a ``pp`` axis (``--mesh pp:2,fsdp:2,tp:2``) runs the layer stack as a
 pipeline over it instead (``--microbatches``, ``--repeats``, ``--remat``; see
-``pipeline_options.py``) and prints its schedule beside the plan.
+``pipeline_options.py``) and prints its schedule beside the plan. A mesh with an ``sp`` axis
+and ``--context-parallel`` (``--mesh fsdp:2,sp:4 --context-parallel ring --seq 64``) splits the
+sequence over ``sp`` with attention exchanging keys and values by that strategy, the batch
+reordered to balance the causal mask (``--balance``; see ``context_options.py``), and prints
+the strategy, the balance and the bytes beside the plan.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import time
 
 import backend_choice
+import context_options
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,7 @@ from flax.training.train_state import TrainState
 
 import flax_escale as fe
 from flax_escale import linen as fel
+from flax_escale.context import context_attention
 from flax_escale.sizing import Workload
 
 ACTIVATION = ("batch", "sequence", "hidden_state")
@@ -49,6 +55,9 @@ class Config:
     microbatches: int | None = None
     repeats: int = 1
     remat: str | None = None
+    # Attention by flax_escale.context.context_attention with this strategy ("all_gather",
+    # "ring", "ulysses" or "auto"), the batch's positions given; None leaves it to XLA.
+    context_parallel: str | None = None
 
 
 @fe.sharded_module(
@@ -61,15 +70,20 @@ class Attention(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         c = self.config
         dense = {"features": (c.heads, c.head_dim), "use_bias": False}
         q = nn.DenseGeneral(**dense, name="query")(x)
         k = nn.DenseGeneral(**dense, name="key")(x)
         v = nn.DenseGeneral(**dense, name="value")(x)
         q = fe.constrain(q, ("batch", "sequence", "head", "attention_dim"))
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
-        y = nn.dot_product_attention(q, k, v, mask=mask)
+        if c.context_parallel:
+            # Each device holds its share of the sequence: the strategy brings it the keys and
+            # values it attends to, the mask coming from the positions (any order, balanced).
+            y = context_attention(q, k, v, positions=positions, strategy=c.context_parallel)
+        else:
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
+            y = nn.dot_product_attention(q, k, v, mask=mask)
         y = fe.constrain(y, ("batch", "sequence", "head", "attention_dim"))
         return nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False, name="out")(y)
 
@@ -97,16 +111,21 @@ class Block(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-        x = x + Attention(self.config, name="attention")(nn.LayerNorm(name="ln_attention")(x))
+    def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, None]:
+        attention = Attention(self.config, name="attention")
+        x = x + attention(nn.LayerNorm(name="ln_attention")(x), positions)
         x = x + Mlp(self.config, name="mlp")(nn.LayerNorm(name="ln_mlp")(x))
         return fe.constrain(x, ACTIVATION), None
 
 
-def embed(c: Config, tokens: jax.Array) -> tuple[nn.Embed, jax.Array]:
+def embed(
+    c: Config, tokens: jax.Array, positions: jax.Array | None = None
+) -> tuple[nn.Embed, jax.Array]:
     """The token table and the embedded ``tokens``, made in the calling module's compact scope.
 
-    ``c`` is any configuration with ``vocab``, ``hidden`` and ``max_len``.
+    ``c`` is any configuration with ``vocab``, ``hidden`` and ``max_len``; ``positions`` (b, s)
+    are the tokens' positions, for a batch in another order than the sequence's (context
+    parallelism's balanced layout); ``None``: 0, 1, ... in order.
     """
     token = nn.Embed(c.vocab, c.hidden, name="token")
     position = nn.Embed(c.max_len, c.hidden, name="position")
@@ -118,15 +137,23 @@ def embed(c: Config, tokens: jax.Array) -> tuple[nn.Embed, jax.Array]:
     # table's gradient to split its vocab).
     table = fe.constrain(token.embedding, ("vocab", None))
     x = fe.constrain(jnp.take(table, tokens, axis=0), LOOKED_UP)
-    x = x + fe.constrain(position.embedding, (None, None))[: tokens.shape[1]]
+    positional = fe.constrain(position.embedding, (None, None))
+    if positions is None:
+        x = x + positional[: tokens.shape[1]]
+    else:
+        x = x + fe.constrain(jnp.take(positional, positions, axis=0), LOOKED_UP)
     return token, fe.constrain(x, ACTIVATION)
 
 
 def scanned(block: type[nn.Module], layers: int) -> type[nn.Module]:
-    """``block`` repeated ``layers`` times by ``nn.scan``, its parameters stacked on ``layers``."""
+    """``block`` repeated ``layers`` times by ``nn.scan``, its parameters stacked on ``layers``.
+
+    Its argument after the activations (the positions) is the same for every layer.
+    """
     return nn.scan(
         block,
         variable_axes={"params": 0},
+        in_axes=nn.broadcast,
         split_rngs={"params": True},
         length=layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
@@ -145,16 +172,16 @@ class Gpt(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         c = self.config
-        token, x = embed(c, tokens)
+        token, x = embed(c, tokens, positions)
         if c.microbatches is None:
             stack = scanned(Block, c.layers)
         else:  # the same parameters; each stage of pp runs its layers, a microbatch at a time
             stack = fel.pipelined(
                 Block, c.layers, microbatches=c.microbatches, repeats=c.repeats, remat=c.remat
             )
-        x, _ = stack(c, name="blocks")(x, None)
+        x, _ = stack(c, name="blocks")(x, positions)
         x = nn.LayerNorm(name="ln_final")(x)
         if c.tie_embeddings:
             logits = token.attend(x)
@@ -163,14 +190,22 @@ class Gpt(nn.Module):
         return fe.constrain(logits, ("batch", "sequence", "vocab"))
 
 
-def loss_fn(params, apply_fn, tokens):
-    logits = apply_fn({"params": params}, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+def loss_fn(params, apply_fn, tokens, labels=None, positions=None):
+    """The mean next-token loss of ``tokens`` (b, s + 1), or of ``tokens`` (b, s) and ``labels``.
+
+    A context-parallel batch comes as ``(inputs, labels, positions)``, reordered to balance
+    the causal mask (``context_options.next_token_batch``): its mean loss is the same.
+    """
+    if labels is None:
+        tokens, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = apply_fn({"params": params}, tokens, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 @jax.jit
-def train_step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, jax.Array]:
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, tokens)
+def train_step(state: TrainState, *batch: jax.Array) -> tuple[TrainState, jax.Array]:
+    """One AdamW step on ``batch``: the tokens, or a context-parallel batch (see ``loss_fn``)."""
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, *batch)
     return state.apply_gradients(grads=grads), loss
 
 
@@ -180,7 +215,10 @@ def workload(config: Config = Config(), batch: int = 16) -> Workload:
     ``python -m flax_escale plan linen_gpt:workload --devices 8 --memory 4MiB`` (from
     ``examples/``) ranks the meshes of 8 devices for it. Its ``pipelined(microbatches=,
     repeats=, remat=)`` is the same workload with the layer stack run as a pipeline over a
-    mesh's ``pp`` axis, for the planner's pipeline candidates.
+    mesh's ``pp`` axis, for the planner's pipeline candidates; its
+    ``context_parallel(strategy)`` the same workload with attention by
+    :func:`flax_escale.context.context_attention` on the batch that step takes (inputs,
+    labels and positions of ``max_len`` tokens), for its context candidates.
     """
 
     def pipelined(*, microbatches: int, repeats: int = 1, remat: str | None = None) -> Workload:
@@ -189,6 +227,14 @@ def workload(config: Config = Config(), batch: int = 16) -> Workload:
         )
         return dataclasses.replace(
             workload(staged, batch), rules=pipeline_options.PIPELINE_RULES, pipelined=None
+        )
+
+    def context_parallel(strategy: str) -> Workload:
+        split = dataclasses.replace(config, context_parallel=strategy)
+        return dataclasses.replace(
+            workload(split, batch),
+            batch=context_options.batch_shapes(batch, config.max_len),
+            pipelined=None,
         )
 
     return Workload(
@@ -200,6 +246,7 @@ def workload(config: Config = Config(), batch: int = 16) -> Workload:
         step=train_step,
         layers=config.layers,
         pipelined=pipelined if config.microbatches is None else None,
+        context_parallel=context_parallel if config.context_parallel is None else None,
     )
 
 
@@ -215,6 +262,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16)
     pipeline_options.add_arguments(parser)
+    context_options.add_arguments(parser)
     parser.add_argument("--tie-embeddings", action="store_true")
     args = parser.parse_args(argv)
     devices = backend_choice.select_devices(args.devices)  # before any backend starts
@@ -228,9 +276,11 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
     mesh = fe.parse_mesh_from_string(
         mesh_text, fe.mesh.DEFAULT_AXIS_NAMES, partial=True, devices=devices
     )
-    config = Config(tie_embeddings=args.tie_embeddings)
+    # The learned position embedding has a row per position of --seq.
+    config = Config(tie_embeddings=args.tie_embeddings, max_len=args.seq)
     config, schedule = pipeline_options.configure(config, args, mesh)
     rules = pipeline_options.rules(mesh)
+    config, context = context_options.configure(config, args, mesh, rules)
     model = Gpt(config)
     rng = jax.random.key(0)
     example = jnp.zeros((args.batch, config.max_len), jnp.int32)
@@ -238,6 +288,8 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
     print(fe.plan_sharding(model, mesh, rng, example, rules=rules).describe())
     if schedule is not None:
         print(pipeline_options.describe(schedule, config.remat))
+    if context is not None:
+        print(context_options.describe(context))
     tx = optax.adamw(3e-3)
     state = fel.init_train_state(model, mesh, rng, example, tx=tx, rules=rules)
 
@@ -245,9 +297,9 @@ def _train(args: argparse.Namespace, devices: list[jax.Device]) -> list[float]:
     data = toy_data.batches(config.vocab, args.batch, config.max_len)
     with fe.use_sharding(mesh, rules):
         for step in range(args.steps):
-            tokens = fe.constrain(next(data), ("batch", "sequence"))
+            batch = context_options.step_batch(context, next(data))
             start = time.perf_counter()
-            state, loss = train_step(state, tokens)
+            state, loss = train_step(state, *batch)
             losses.append(float(loss))
             if step % 5 == 0 or step == args.steps - 1:
                 ms = (time.perf_counter() - start) * 1e3

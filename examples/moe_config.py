@@ -48,6 +48,8 @@ class Config:
     capacity_factor: float = 1.25
     exchange: moe.Exchange = "all_to_all"
     aux_loss_weight: float = 0.01
+    # The dense examples' attention reads it: the MoE examples leave attention to XLA.
+    context_parallel: str | None = None
 
     def dispatch(self) -> dict[str, Any]:
         """``moe_mlp``'s strategy with its own option (it refuses the other strategy's)."""

@@ -20,17 +20,27 @@ layer stack as a pipeline over it (``pipeline_options.py``: ``--microbatches``, 
 for the circular schedule, ``--remat``, ``--layers``); the job prints the schedule (stages,
 microbatches, repeats, bubble) after the sharding plan. The planner ranks meshes without a
 pipeline; a ``pp`` mesh is trained on as given.
+
+``--seq`` sets the tokens per sequence (32 by default). A mesh with an ``sp`` axis and
+``--context-parallel``, like ``--mesh fsdp:2,sp:4 --context-parallel ring``, splits the
+sequence over ``sp`` with the model's attention exchanging keys and values by that strategy
+(``context_options.py``: ``all_gather``, ``ring``, ``ulysses`` or ``auto``), the batch put
+once in the order that balances the causal mask (``--balance``); the job prints the strategy,
+the balance and the bytes each device receives per layer after the sharding plan. Its first
+loss is the one the same model has on ``--mesh fsdp:8`` at the same ``--seq``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
 import backend_choice
+import context_options
 import jax
 import jax.numpy as jnp
 import linen_gpt
@@ -86,14 +96,14 @@ class Trainer:
             self.state = fel.init_train_state(model, mesh, key, example, tx=tx, rules=rules)
             self.step = linen_gpt.train_step
 
-    def _nnx_step(self, state: nnx.State, tokens: jax.Array) -> tuple[nnx.State, jax.Array]:
+    def _nnx_step(self, state: nnx.State, *batch: jax.Array) -> tuple[nnx.State, jax.Array]:
         model, optimizer = nnx.merge(self.graphdef, state)
-        loss, grads = nnx.value_and_grad(nnx_llama.loss_fn)(model, tokens)
+        loss, grads = nnx.value_and_grad(nnx_llama.loss_fn)(model, *batch)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    def train(self, tokens: jax.Array) -> float:
-        self.state, loss = self.step(self.state, tokens)
+    def train(self, *batch: jax.Array) -> float:
+        self.state, loss = self.step(self.state, *batch)
         return float(loss)
 
 
@@ -137,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "time): train on --mesh, or on the default mesh when --mesh is auto",
     )
     pipeline_options.add_arguments(parser)
+    context_options.add_arguments(parser)
     return parser
 
 
@@ -159,8 +170,11 @@ def choose_mesh(
     """The mesh to train on, after the mesh plan unless ``--no-plan``; a line says which and why."""
     # A named --mesh is checked before the minute of planning, not after.
     given = None if args.mesh == AUTO else mesh_from_string(args.mesh, devices)
-    # So are the pipeline options, against it (the planner's meshes have no pp axis).
-    pipeline_options.configure(EXAMPLES[args.api].Config(), args, given)
+    # So are the pipeline and context options, against it (the planner's meshes have no pp
+    # or sp axis).
+    config = model_config(args)
+    pipeline_options.configure(config, args, given)
+    context_options.configure(config, args, given)
     default = DEFAULT_MESH[args.devices]
     if args.no_plan:
         if given is not None:
@@ -189,9 +203,11 @@ def _plan_meshes(args: argparse.Namespace, devices: int, console: Console) -> si
     # which imports the example's factory (its batch of 16).
     example = EXAMPLES[args.api]
     if args.devices == "cpu":
-        workload = example.workload(
-            pipeline_options.with_layers(example.Config(), args), batch=args.batch
-        )
+        config = model_config(args)
+        if args.api == "nnx":  # the Llama's workload reads --seq tokens and their labels
+            workload = example.workload(config, batch=args.batch, length=args.seq + 1)
+        else:  # the GPT's, its Config's max_len
+            workload = example.workload(config, batch=args.batch)
     else:
         workload = example.workload
     if not console.is_terminal:  # the progress bar shows only on a terminal
@@ -233,19 +249,28 @@ def _announce(mesh: jax.sharding.Mesh, why: str, console: Console) -> jax.shardi
     return mesh
 
 
+def model_config(args: argparse.Namespace) -> Any:
+    """The ``Config`` of ``--api``'s model with ``--layers``, for sequences of ``--seq`` tokens."""
+    config = pipeline_options.with_layers(EXAMPLES[args.api].Config(), args)
+    # The GPT learns an embedding per position: its table has a row per token of --seq.
+    return dataclasses.replace(config, max_len=args.seq) if args.api == "linen" else config
+
+
 def _train(args: argparse.Namespace, mesh: jax.sharding.Mesh, console: Console) -> list[float]:
-    config, schedule = pipeline_options.configure(EXAMPLES[args.api].Config(), args, mesh)
+    config, schedule = pipeline_options.configure(model_config(args), args, mesh)
     rules = pipeline_options.rules(mesh)
+    config, context = context_options.configure(config, args, mesh, rules)
     trainer = Trainer(args.api, config, mesh, rules, args.batch)
     fe.sharding_report(trainer.plan, console=console)
     if schedule is not None:
         line = pipeline_options.describe(schedule, config.remat)
         console.print(f"[bold]schedule[/] {line}", highlight=False, soft_wrap=True)
-    seq = 32
-    data = toy_data.batches(trainer.config.vocab, args.batch, seq)
+    if context is not None:
+        console.print(context_options.describe(context), highlight=False, soft_wrap=True)
+    data = toy_data.batches(trainer.config.vocab, args.batch, args.seq)
     with fe.use_sharding(mesh, rules):
-        sample = fe.constrain(next(data), ("batch", "sequence"))
-        estimate = fe.will_it_fit(trainer.step, trainer.state, sample)
+        sample = context_options.step_batch(context, next(data))
+        estimate = fe.will_it_fit(trainer.step, trainer.state, *sample)
         console.print(f"[bold]train step[/] {estimate}", soft_wrap=True)
         losses = []
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"))
@@ -253,7 +278,7 @@ def _train(args: argparse.Namespace, mesh: jax.sharding.Mesh, console: Console) 
             task = progress.add_task(f"training ({args.api})", total=args.steps, loss="")
             start = time.perf_counter()
             for _ in range(args.steps):
-                losses.append(trainer.train(fe.constrain(next(data), ("batch", "sequence"))))
+                losses.append(trainer.train(*context_options.step_batch(context, next(data))))
                 progress.update(task, advance=1, loss=f"loss {losses[-1]:.4f}")
     per_step = (time.perf_counter() - start) / args.steps * 1e3
     state = fe.sharding_report(trainer.state, mesh, rules=rules, show=False)

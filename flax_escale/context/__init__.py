@@ -8,17 +8,11 @@ or, with ``"auto"``, as the formulas of :func:`choose_strategy` pick for the har
 a causal mask gives every device the same work; :func:`attention_work` counts that work.
 """
 
-from flax_escale.context._attention import (
-    QUERY_AXES,
-    AttentionWork,
-    ContextPlan,
-    attention_work,
-    context_attention,
-    plan_attention,
-)
+from flax_escale.context._attention import AttentionWork, attention_work, context_attention
 from flax_escale.context._layout import BALANCES, ContextError, SequenceLayout
+from flax_escale.context._plan import QUERY_AXES, ContextPlan, plan_attention
 from flax_escale.context._strategy import (
-    STRATEGIES,
+    CONTEXT_STRATEGIES,
     AttentionShape,
     Choice,
     Cost,
@@ -28,8 +22,8 @@ from flax_escale.context._strategy import (
 
 __all__ = [
     "BALANCES",
+    "CONTEXT_STRATEGIES",
     "QUERY_AXES",
-    "STRATEGIES",
     "AttentionShape",
     "AttentionWork",
     "Choice",

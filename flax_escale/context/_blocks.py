@@ -82,8 +82,19 @@ def _mask(
 
 
 def _update(
-    state: State, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array, scale: float
+    state: State,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    tokens: tuple[jax.Array | None, ...],
+    *,
+    scale: float,
+    causal: bool,
 ) -> State:
+    # The mask is rebuilt here from the blocks' positions and segment ids rather than passed
+    # in: under jax.checkpoint the backward pass keeps this function's inputs, and a block's
+    # positions are a sliver of its (query, key) mask.
+    mask = _mask(*tokens, causal)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", query, key, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None], scores * scale, -jnp.inf)
     # The running maximum only shifts the exponent, which the normalizer divides back out:
@@ -121,36 +132,55 @@ def attend(
         causal: Whether a query attends only to keys at or before its position.
         scale: The factor of the scores (``1 / sqrt(head dim)`` as a rule).
     """
+    # Scans over query blocks and key blocks rather than Python loops: the program holds one
+    # block pair's computation whatever the counts (Ulysses attends the whole sequence's
+    # queries, 2c blocks of them), so its compile time does not grow with the sequence.
     q_blocks, k_blocks = queries.query.shape[1] // block, keys.key.shape[1] // block
-    update = jax.checkpoint(functools.partial(_update, scale=scale))
-    for i in range(q_blocks):
-        rows = slice(i * block, (i + 1) * block)
-        part = State(state.out[:, rows], state.top[..., rows], state.total[..., rows])
-        q_seg = None if queries.segments is None else queries.segments[:, rows]
-        for j in range(k_blocks):
-            cols = slice(j * block, (j + 1) * block)
-            k_seg = None if keys.segments is None else keys.segments[:, cols]
-            mask = _mask(queries.positions[:, rows], q_seg, keys.positions[:, cols], k_seg, causal)
-            needed = mask.any()
-            part = jax.lax.cond(
-                needed,
-                update,
-                lambda s, *_: s,
-                part,
-                queries.query[:, rows],
-                keys.key[:, cols],
-                keys.value[:, cols],
-                mask,
-            )
-            work = Work(
-                work.blocks + needed.astype(jnp.int32), work.pairs + mask.sum(dtype=jnp.int32)
-            )
-        state = State(
-            state.out.at[:, rows].set(part.out),
-            state.top.at[..., rows].set(part.top),
-            state.total.at[..., rows].set(part.total),
-        )
-    return state, work
+    update = jax.checkpoint(functools.partial(_update, scale=scale, causal=causal))
+
+    def split(x: jax.Array | None, axis: int, blocks: int) -> jax.Array | None:
+        """``x`` with its token ``axis`` cut into ``blocks`` blocks, the blocks first."""
+        if x is None:
+            return None
+        parts = x.reshape(*x.shape[:axis], blocks, x.shape[axis] // blocks, *x.shape[axis + 1 :])
+        return jnp.moveaxis(parts, axis, 0)
+
+    def join(x: jax.Array, axis: int) -> jax.Array:
+        """The inverse of :func:`split`."""
+        x = jnp.moveaxis(x, 0, axis)
+        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+    def key_step(carry, k_block):
+        part, work, q_block, q_pos, q_seg = carry
+        key, value, k_pos, k_seg = k_block
+        tokens = (q_pos, q_seg, k_pos, k_seg)
+        mask = _mask(*tokens, causal)
+        needed = mask.any()
+        part = jax.lax.cond(needed, update, lambda s, *_: s, part, q_block, key, value, tokens)
+        work = Work(work.blocks + needed.astype(jnp.int32), work.pairs + mask.sum(dtype=jnp.int32))
+        return (part, work, q_block, q_pos, q_seg), None
+
+    k_split = Keys(
+        split(keys.key, 1, k_blocks),
+        split(keys.value, 1, k_blocks),
+        split(keys.positions, 1, k_blocks),
+        split(keys.segments, 1, k_blocks),
+    )
+
+    def query_step(work, q_part):
+        part, q_block, q_pos, q_seg = q_part
+        (part, work, *_), _ = jax.lax.scan(key_step, (part, work, q_block, q_pos, q_seg), k_split)
+        return work, part
+
+    parts = State(split(state.out, 1, q_blocks), *(split(x, 3, q_blocks) for x in state[1:]))
+    q_split = (
+        parts,
+        split(queries.query, 1, q_blocks),
+        split(queries.positions, 1, q_blocks),
+        split(queries.segments, 1, q_blocks),
+    )
+    work, parts = jax.lax.scan(query_step, work, q_split)
+    return State(join(parts.out, 1), join(parts.top, 3), join(parts.total, 3)), work
 
 
 def finish(state: State, dtype: jnp.dtype) -> jax.Array:

@@ -70,7 +70,7 @@ class SequenceLayout:
         if self.balance is not None and self.balance not in BALANCES:
             raise ContextError(f"balance must be one of {BALANCES} or None, got {self.balance!r}.")
         chunks = 2 * self.degree if self.balance == "dual_chunk" else self.degree
-        if self.length % chunks:
+        if self.degree > 1 and self.length % chunks:  # one device holds any sequence in order
             why = (
                 f"2 x {self.degree} chunks (balance='dual_chunk')"
                 if self.balance == "dual_chunk"
@@ -89,6 +89,8 @@ class SequenceLayout:
         Device ``i`` holds entries ``i * length / degree`` to ``(i + 1) * length / degree``.
         """
         n, c = self.length, self.degree
+        if c == 1:
+            return np.arange(n)
         if self.balance == "striped":
             return np.arange(n).reshape(n // c, c).T.reshape(n)
         if self.balance == "dual_chunk":
@@ -157,12 +159,14 @@ class SequenceLayout:
 
     def _take(self, tree: Any, order: np.ndarray, axis: int, what: str) -> Any:
         def take(x: Any) -> Any:
-            if np.shape(x)[axis] != self.length:
+            shape = np.shape(x)
+            found = shape[axis] if -len(shape) <= axis < len(shape) else None
+            if found != self.length:
+                has = "no axis" if found is None else f"{found} entries along axis"
                 raise ContextError(
-                    f"SequenceLayout.{what}: an array of shape {np.shape(x)} has "
-                    f"{np.shape(x)[axis]} entries along axis {axis}, not the layout's "
-                    f"{self.length} tokens; pass arrays indexed by token along axis {axis} "
-                    "(tokens, labels, positions, segment ids)."
+                    f"SequenceLayout.{what}: an array of shape {shape} has {has} {axis}, not "
+                    f"the layout's {self.length} tokens; pass arrays indexed by token along "
+                    f"axis {axis} (tokens, labels, positions, segment ids)."
                 )
             if isinstance(x, jax.Array):
                 return jnp.take(x, jnp.asarray(order), axis=axis)

@@ -25,9 +25,9 @@ from flax_escale import _checks as check
 from flax_escale._units import format_bytes
 from flax_escale.context._layout import ContextError
 
-__all__ = ["STRATEGIES", "AttentionShape", "Choice", "Cost", "Link", "choose_strategy"]
+__all__ = ["CONTEXT_STRATEGIES", "AttentionShape", "Choice", "Cost", "Link", "choose_strategy"]
 
-STRATEGIES = ("all_gather", "ring", "ulysses")
+CONTEXT_STRATEGIES = ("all_gather", "ring", "ulysses")
 """The ways :func:`~flax_escale.context.context_attention` can exchange keys and values."""
 
 
@@ -92,6 +92,11 @@ class AttentionShape:
             return (c - 1) * share * (2 * self.q_heads + 2 * self.kv_heads) // c
         return (c - 1) * self.kv_bytes() // c  # the gather and the ring's c - 1 hops alike
 
+    def hop_hides(self, link: Link) -> bool:
+        """Whether a ring hop (one device's K and V) takes no longer than a chunk's attention."""
+        chunk, hop = _ring_hop(self, link)
+        return chunk >= hop
+
     def ulysses_misfit(self) -> str | None:
         """Why the heads do not split ``degree`` ways, or ``None`` if they do."""
         if self.q_heads % self.degree or self.kv_heads % self.degree:
@@ -118,7 +123,7 @@ class Cost:
             return f"{self.strategy}: cannot run ({self.misfit})"
         return (
             f"{self.strategy}: {format_bytes(self.bytes)} received, {self.collectives} "
-            f"collectives, ~{self.seconds * 1e3:.3g} ms"
+            f"collective{'s' if self.collectives != 1 else ''}, ~{self.seconds * 1e3:.3g} ms"
         )
 
 
@@ -139,12 +144,19 @@ class Choice:
         return f"{self.strategy} ({self.reason}); " + "; ".join(c.describe() for c in self.costs)
 
 
+def _ring_hop(shape: AttentionShape, link: Link) -> tuple[float, float]:
+    """Seconds of one chunk's attention and of one ring hop (one device's K and V)."""
+    chunk = shape.flops() / shape.degree / link.flops_per_second
+    hop = shape.bytes_received("all_gather") / max(shape.degree - 1, 1) / link.bytes_per_second
+    return chunk, hop
+
+
 def _costs(shape: AttentionShape, link: Link) -> tuple[Cost, ...]:
     c, flops = shape.degree, shape.flops()
     compute = flops / link.flops_per_second
     gathered = shape.bytes_received("all_gather")
-    hop = gathered / max(c - 1, 1) / link.bytes_per_second
-    ring = compute / c + (c - 1) * (max(compute / c, hop) + link.latency_seconds)
+    chunk, hop = _ring_hop(shape, link)
+    ring = chunk + (c - 1) * (max(chunk, hop) + link.latency_seconds)
     a2a = shape.bytes_received("ulysses")
     return (
         Cost(
@@ -195,8 +207,11 @@ def choose_strategy(shape: AttentionShape, link: Link | None = None) -> Choice:
         return Choice("all_gather", "the sequence is not split: nothing to exchange", costs)
     runnable = [c for c in costs if c.misfit is None]
     best = min(runnable, key=lambda c: c.seconds)
+    # Whether the ring's cost counts its hops hidden: S/c >= alpha * H_kv * itemsize / H_q
+    # under a causal mask (half that without one), the rule of thumb's alpha * H_kv / H_q
+    # weighted by the bytes of an element and the work the mask leaves.
+    hides = shape.hop_hides(link)
     chunk, alpha = shape.sequence // shape.degree, link.alpha
-    hides = chunk * shape.q_heads >= alpha * shape.kv_heads
     reason = (
         f"the fastest estimate at S/c = {chunk} tokens a device, alpha = {alpha:.0f} FLOP/byte: "
         f"a ring hop {'hides' if hides else 'does not hide'} behind a chunk's attention"
@@ -205,11 +220,13 @@ def choose_strategy(shape: AttentionShape, link: Link | None = None) -> Choice:
 
 
 def check_strategy(strategy: str) -> str:
-    """``strategy`` if it is one of :data:`STRATEGIES` or ``"auto"``.
+    """``strategy`` if it is one of :data:`CONTEXT_STRATEGIES` or ``"auto"``.
 
     Raises:
         ContextError: Naming the strategies there are.
     """
-    if strategy != "auto" and strategy not in STRATEGIES:
-        raise ContextError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}.")
+    if strategy != "auto" and strategy not in CONTEXT_STRATEGIES:
+        raise ContextError(
+            f"strategy must be 'auto' or one of {CONTEXT_STRATEGIES}, got {strategy!r}."
+        )
     return strategy

@@ -158,6 +158,10 @@ def apply_spec(x: jax.Array, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> 
     mesh = check.mesh(mesh)
     spec = check.spec_on(mesh, spec, "spec")
     if not isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
+        # A constant closed over by a jitted function is concrete too: a copy of it is staged
+        # into the program (a tracer) under jit, and stays concrete only outside.
+        x = jnp.copy(x)
+    if not isinstance(mesh, Mesh) and not isinstance(x, jax.core.Tracer):
         # An abstract mesh names no devices, so an array outside jit has nowhere to go.
         raise EscaleTypeError(
             f"mesh is an AbstractMesh {dict(mesh.shape)}, which has no devices to place the "

@@ -23,6 +23,7 @@ from flax_escale.sizing._candidates import (
     PipelinedWorkloads,
     mesh_shapes,
 )
+from flax_escale.sizing._context import ContextTraceFailure, ContextWorkloads
 from flax_escale.sizing._estimate import (
     RULE_OUT_MARGIN,
     slow_collectives,
@@ -65,7 +66,11 @@ def evaluate(
     (for a pipeline mesh, its ``pp`` axis: the stages then cross the slow links). A mesh with
     ``pp`` is compiled once per schedule (``_candidates.pipeline_settings``), fastest by the
     formulas first, until one fits the budget (or is ruled out, skipped, or has too large a
-    state: the others would be too); only the schedules tried are reported.
+    state: the others would be too); only the schedules tried are reported. For a workload
+    with ``context_parallel``, a mesh without ``pp`` whose sequence axes split the sequence is
+    also compiled with its context-parallel forms (``_context.ContextWorkloads``), the
+    strategies that can run there fastest by the formulas first, until one fits (every one,
+    if ``exhaustive``).
     The meshes left are compiled in the order of their textbook communication on ``profile``;
     one whose textbook communication exceeds :data:`RULE_OUT_MARGIN` times the best estimate
     compiled so far (of a mesh that fits) is ruled out without compiling, unless
@@ -100,6 +105,7 @@ def evaluate(
     ruled_out: list[Figures] = []
     kept: list[_Kept] = []
     built = PipelinedWorkloads(workload)
+    contexts = ContextWorkloads(workload, profile)
     for shape in shapes:
         mesh = target.mesh(tuple(shape.values()), tuple(shape))
         schedules = built.schedules(shape)
@@ -125,21 +131,22 @@ def evaluate(
             index, dims = workload.token_dims
             tokens = token_count(workload.batch[index].shape, dims, batch[index].spec, mesh)
         slow = slow_collectives(shape, host)
+        common = (shape, mesh, plan, corrections, textbook, detail, tokens)
         for settings in schedules:
-            kept.append(
-                _Kept(
-                    shape,
-                    mesh,
-                    plan,
-                    corrections,
-                    textbook,
-                    detail,
-                    tokens,
-                    functools.partial(built, settings),
-                    built.pipeline(settings),
-                    slow,
-                )
-            )
+            run = functools.partial(built, settings)
+            kept.append(_Kept(*common, run, built.pipeline(settings), slow))
+        if schedules != [None]:
+            continue
+        try:
+            strategies = contexts.candidates(mesh)
+        except ContextTraceFailure as error:
+            reason = f"{TRACE_FAILURE}{error}"
+            ruled_out.append(Figures(shape, "failed", reason, corrections, context=error.context))
+            strategies = []
+        # The strategies share the mesh's plan and batch: only attention's exchange differs.
+        for context in strategies:
+            run = functools.partial(contexts, context["strategy"])
+            kept.append(_Kept(*common, run, None, slow, context))
     if ruled_out and not kept:
         _raise_absent_axes(workload, target, ruled_out)
     kept.sort(key=lambda k: k.textbook)
@@ -150,14 +157,16 @@ def evaluate(
         if figures.key not in done:
             report({"event": "figures", "figures": figures.as_json()})
     best: tuple[float, str] | None = None  # the best estimate of a mesh that fits, and its mesh
-    # The pipeline meshes settled: a schedule fits (the others are slower by the formulas), or
-    # one was ruled out, skipped or had too large a state (so would the others be).
+    # The pipeline meshes (and a mesh's context-parallel strategies) settled: a schedule fits
+    # (the others are slower by the formulas), or one was ruled out, skipped or had too large
+    # a state (so would the others be).
     settled: set[Any] = set()
     for k in kept:
         spent = time.perf_counter() - start
-        figures = done.get(mesh_key(k.shape, k.pipeline))
-        mesh = mesh_key(k.shape)
-        if figures is None and k.pipeline is not None and mesh in settled:
+        figures = done.get(mesh_key(k.shape, k.pipeline, k.context))
+        mesh = mesh_key(k.shape) + (("context",) if k.context is not None else ())
+        alternative = k.pipeline is not None or (k.context is not None and not exhaustive)
+        if figures is None and alternative and mesh in settled:
             continue
         if figures is not None:
             pass  # reported by the process that found it
@@ -205,6 +214,7 @@ class _Kept:
     workload: Callable[[], Workload]
     pipeline: dict[str, Any] | None
     slow: tuple[str, ...]
+    context: dict[str, Any] | None = None
 
     def own(self) -> dict[str, Any]:
         """The figures this mesh has whatever compiling it finds."""
@@ -215,6 +225,7 @@ class _Kept:
             "tokens_per_device": self.tokens,
             "pipeline": self.pipeline,
             "slow_collectives": self.slow,
+            "context": self.context,
         }
 
     def figures(self, status: str, reason: str = "", **found: Any) -> Figures:

@@ -49,6 +49,10 @@ class Figures:
             between-host bandwidth.
         pipeline_bytes: A pipeline candidate's own permutes (over ``pp``, forward and
             backward) in bytes per step, read from its compiled step.
+        context: A context-parallel candidate's attention: ``strategy``, the sequence
+            ``axes`` and their ``degree``, and ``shape``, one device's share of a layer's
+            attention (an :class:`~flax_escale.context.AttentionShape` as a dict), which the
+            formulas are explained with; ``None`` where attention is left to XLA.
     """
 
     shape: dict[str, int]
@@ -68,14 +72,18 @@ class Figures:
     pipeline: dict[str, Any] | None = None
     slow_collectives: tuple[str, ...] = ()
     pipeline_bytes: float | None = None
+    context: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
         """The mesh's axes larger than 1, like ``fsdp=4 tp=2``, and a pipeline's schedule.
 
-        Like ``pp=2 fsdp=4 (m=8, v=2, remat=layer)``, leaving out ``v=1`` and no remat.
+        Like ``pp=2 fsdp=4 (m=8, v=2, remat=layer)``, leaving out ``v=1`` and no remat; a
+        context-parallel candidate's strategy follows its mesh: ``fsdp=2 sp=4 ring``.
         """
         mesh = " ".join(f"{a}={s}" for a, s in self.shape.items() if s > 1) or "one device"
+        if self.context is not None:
+            return f"{mesh} {self.context['strategy']}"
         if self.pipeline is None:
             return mesh
         settings = [f"m={self.pipeline['microbatches']}"]
@@ -101,8 +109,8 @@ class Figures:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """The mesh and schedule, hashable; one plan's figures are told apart by it."""
-        return mesh_key(self.shape, self.pipeline)
+        """The mesh, schedule and strategy, hashable; one plan's figures are told apart by it."""
+        return mesh_key(self.shape, self.pipeline, self.context)
 
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-ready values."""
@@ -125,7 +133,12 @@ class Figures:
         )
 
 
-def mesh_key(shape: dict[str, int], pipeline: dict[str, Any] | None = None) -> tuple[Any, ...]:
-    """A candidate's mesh and schedule, hashable."""
+def mesh_key(
+    shape: dict[str, int],
+    pipeline: dict[str, Any] | None = None,
+    context: dict[str, Any] | None = None,
+) -> tuple[Any, ...]:
+    """A candidate's mesh, schedule and context-parallel strategy, hashable."""
     settings = tuple(sorted(pipeline.items())) if pipeline is not None else ()
-    return (*shape.items(), *settings)
+    strategy = ("context", context["strategy"]) if context is not None else ()
+    return (*shape.items(), *settings, *strategy)

@@ -96,7 +96,15 @@ def plan_mesh(
             axis the rules map to ``ep``, and ``pp`` (outermost) when the workload can run its
             stack as a pipeline (``Workload(layers=..., pipelined=...)``). A mesh with ``pp`` is
             compiled with the workload's pipelined form, its schedules (microbatches, repeats,
-            rematerialization) fastest by the formulas first, until one fits.
+            rematerialization) fastest by the formulas first, until one fits. For a workload
+            with ``context_parallel``, a mesh without ``pp`` whose sequence axes (those the
+            rules give ``query_sequence``, ``sp`` by default) split the sequence is also
+            compiled with its context-parallel forms: the strategies that can run there
+            (``ulysses`` only where the heads split), fastest by
+            :func:`~flax_escale.context.choose_strategy`'s formulas on ``profile`` first,
+            until one fits (each labelled like ``fsdp=2 sp=4 ring``; its notes and
+            :meth:`~flax_escale.sizing.Candidate.explain_context` put the formulas' figures
+            beside the compiled collectives).
         time_budget: Seconds; once spent, the meshes not yet compiled are reported as
             skipped rather than compiled.
         exhaustive: Compile every mesh left after pruning, even those the communication
@@ -117,10 +125,12 @@ def plan_mesh(
             traces on no mesh (what it returned is in the message), rules or overrides naming
             mesh axes the planned meshes lack when that leaves no mesh to compile, a factory
             whose module raises as it is imported, ``pp`` in ``axes`` for a workload without
-            ``pipelined``, or if the child process fails (its last output lines are in the
-            message).
+            ``pipelined``, a ``context_parallel`` form whose step calls no
+            ``context_attention``, or if the child process fails (its last output lines are in
+            the message).
         EscaleTypeError: For arguments of the wrong type, a workload the child process
-            could not import, or a ``pipelined`` that returns anything but a Workload.
+            could not import, or a ``pipelined`` or ``context_parallel`` that returns anything
+            but a Workload.
     """
     if isinstance(workload, (nn.Module, nnx.Module)):  # callable, but not a factory
         raise EscaleTypeError(

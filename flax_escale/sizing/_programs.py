@@ -29,7 +29,14 @@ from flax_escale.sharding._use_sharding import sharding_context
 from flax_escale.sizing._workload import Workload, mean_square
 from flax_escale.tools import batch_sharding
 
-__all__ = ["Programs", "batch_shardings", "lower_programs", "lower_step", "step_state"]
+__all__ = [
+    "Programs",
+    "batch_shardings",
+    "lower_programs",
+    "lower_step",
+    "step_state",
+    "trace_step",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +107,21 @@ def _lower_step(
     workload: Workload, mesh: Mesh, plan: ShardingPlan
 ) -> tuple[jax.stages.Lowered, int]:
     # The step lowered, and the train state's bytes on the device that holds the most.
+    traced, state_bytes = trace_step(workload, mesh, plan)
+    with sharding_context(mesh, workload.options.rules):
+        return traced.lower(), state_bytes
+
+
+def trace_step(workload: Workload, mesh: Mesh, plan: ShardingPlan) -> tuple[jax.stages.Traced, int]:
+    """The training step of :func:`lower_programs` traced (its jaxpr), not lowered.
+
+    Returns:
+        The traced step and the train state's bytes on the device that holds the most.
+
+    Raises:
+        EscaleTypeError: As :func:`lower_programs`.
+        EscaleError: As :func:`lower_programs`.
+    """
     state, step = step_state(workload, mesh, plan)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     batch = batch_shardings(workload, mesh)
@@ -114,8 +136,8 @@ def _lower_step(
         for x, s in zip(workload.batch, batch, strict=True)
     ]
     with sharding_context(mesh, workload.options.rules):
-        lowered = jitted.lower(state, *examples)
-    return lowered, _max_device_bytes(state)
+        traced = jitted.trace(state, *examples)
+    return traced, _max_device_bytes(state)
 
 
 def step_state(

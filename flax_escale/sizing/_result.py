@@ -13,6 +13,7 @@ from flax_escale import _checks as check
 from flax_escale._tables import FittedTable
 from flax_escale._units import format_bytes
 from flax_escale.mesh import DEFAULT_AXIS_NAMES
+from flax_escale.sizing._context import describe_context, explain_context
 from flax_escale.sizing._estimate import (
     ESTIMATE_TERMS,
     explain,
@@ -115,9 +116,30 @@ class Candidate:
             f.tokens_per_device,
             profile,
         )
+        if f.context is not None:
+            return f"{explain_context(f.context, f.collectives, profile)}; {why}"
         if f.pipeline is None:
             return why
         return f"{explain_pipeline(f.pipeline, f.pipeline_bytes, f.slow_collectives)}; {why}"
+
+    def explain_context(self, profile: HardwareProfile | str) -> str:
+        """A context-parallel candidate's attention: the formulas' figures beside the compiled.
+
+        One device's share of a layer's attention (as the step traced it), what each strategy
+        moves and costs by :func:`~flax_escale.context.choose_strategy`'s formulas on
+        ``profile`` (whether a ring hop hides, which strategy ``"auto"`` would pick), and the
+        bytes the compiled step's collectives move, by kind. Empty for a candidate whose
+        attention is left to XLA.
+
+        Raises:
+            EscaleError: For an unknown profile name.
+            EscaleTypeError: For anything but a profile or its name.
+        """
+        profile = hardware_profile(profile)
+        f = self.figures
+        if f.context is None or f.context["shape"] is None:  # not traced: no share to explain
+            return ""
+        return describe_context(f.context, f.collectives, profile)
 
     def create_mesh_call(self) -> str:
         """The :func:`~flax_escale.create_mesh` call that builds this mesh."""
@@ -244,6 +266,12 @@ class MeshPlan:
             else "model = flax_escale.init_sharded(Model, mesh, rng, *args, rules=rules)"
         )
         lines = [f"mesh = {self.best.create_mesh_call()}", f"rules = {rules}", init]
+        context = self.best.figures.context
+        if context is not None:
+            lines.append(
+                "# attention runs flax_escale.context.context_attention(q, k, v, "
+                f"strategy={context['strategy']!r}) (the workload's context_parallel form)"
+            )
         return "\n".join(lines if pipeline is None else [*lines, run])
 
     def title(self) -> str:

@@ -86,12 +86,18 @@ class Workload:
             (:data:`flax_escale.pipeline.Remat` for ``r``). Given it, :func:`plan_mesh` also
             plans pipelines: ``pp`` (stages dividing ``layers``), microbatches, repeats and a
             rematerialization policy. Without it, no pipeline is planned.
+        context_parallel: A function called as ``context_parallel(strategy)`` (one of
+            :data:`flax_escale.context.CONTEXT_STRATEGIES`) returning the Workload whose attention
+            runs with :func:`flax_escale.context.context_attention` by that strategy. Given
+            it, :func:`plan_mesh` also plans context parallelism on the meshes whose sequence
+            axes split the sequence. Without it, attention is left to XLA on every mesh.
 
     Raises:
         EscaleTypeError: For a missing ``tx``, a batch that is not a tuple of arrays,
             ``init_kwargs`` that are not a mapping, a ``step`` or ``loss`` that is not a
             function taking the arguments it is called with, or ``tokens`` that is neither an
-            index nor an ``(index, dimensions)`` pair, or a ``pipelined`` that is not a function.
+            index nor an ``(index, dimensions)`` pair, or a ``pipelined`` or
+            ``context_parallel`` that is not a function.
         EscaleError: For ``pipelined`` without ``layers``, ``layers`` below 1, or ``tokens``
             naming an array the batch lacks, a scalar, or more
             dimensions than its array has.
@@ -113,6 +119,7 @@ class Workload:
     tokens: int | tuple[int, int] | None = None
     layers: int | None = None
     pipelined: Callable[..., Workload] | None = None
+    context_parallel: Callable[[str], Workload] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.args, tuple):
@@ -170,6 +177,8 @@ class Workload:
                 )
             data_axes(self.rules)  # refused here, not on the first mesh, if nothing to gather
         self._check_pipeline()
+        if self.context_parallel is not None:
+            check.callable_(self.context_parallel, "Workload context_parallel")
         # The model, its arguments and the options are checked here, once for every mesh.
         _ = self.call, self.options, self.token_dims
 

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
@@ -13,7 +14,9 @@ from support.example_modules import EXAMPLES, load
 
 import flax_escale as fe
 from flax_escale import sizing
+from flax_escale.context import ContextError
 from flax_escale.pipeline import PipelineError
+from flax_escale.sizing._programs import lower_step
 
 # The tests that run an example compile it (slow); those of the demo's command line and of its
 # choice of mesh, given a plan, compile nothing.
@@ -168,6 +171,151 @@ def test_main_job_pipelined_starts_from_the_unpipelined_loss(capsys, monkeypatch
     assert float(state[1]) < 1.5, out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_main_job_context_parallel_starts_from_the_unsplit_loss(capsys, monkeypatch, api):
+    # Issue 47's demo: the sequence over sp=4 with ring attention, the batch reordered for
+    # balance, trains, and its first loss (same parameters, same tokens, before any update) is
+    # the model's on fsdp=8 at the same --seq: the reordering leaves the mean loss alone.
+    monkeypatch.delenv("COLUMNS", raising=False)
+    demo = load("train_lm")
+    argv = ["--api", api, "--no-plan", "--steps"]
+    split = demo.main([*argv, "2", "--mesh", "fsdp:2,sp:4", "--context-parallel", "ring"])
+    out = capsys.readouterr().out
+    plain = demo.main([*argv, "1", "--mesh", "fsdp:8"])
+    assert split[0] == pytest.approx(plain[0], rel=1e-5)
+    assert split[1] < split[0]
+    assert "sharding plan on mesh (dp=1, fsdp=2, ep=1, tp=1, sp=4)" in out
+    # One line after the plan: the strategy, the bytes a device receives (16 rows over
+    # fsdp=2, 32 tokens, the K and V heads of 16 float32 features: 3/4 of them arrive) and the
+    # balance.
+    kv_heads = 2 if api == "nnx" else 4
+    received = 3 * (16 // 2) * 32 * kv_heads * 16 * 4 * 2 // 4 // 1024
+    assert re.search(
+        rf"^context parallelism: ring over sp=4, {received}\.00 KiB received, 3 collectives, "
+        r"~[\d.]+ ms a device a layer \(--context-parallel ring\); balance: 32 tokens over 4 "
+        r"devices, device i holds chunks i and 7-i of 8; causal work: busiest device 1\.00x "
+        r"the mean$",
+        out,
+        re.M,
+    ), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["nnx_llama", "linen_gpt"])
+def test_examples_train_with_context_parallelism_and_print_the_strategy(capsys, example):
+    argv = ["--mesh", "fsdp:2,sp:4", "--context-parallel", "ring", "--seq", "64", "--steps", "2"]
+    losses = load(example).main(argv)
+    out = capsys.readouterr().out
+    plan_end = out.index("0 corrections, 0 unannotated\n")
+    line = out[plan_end:].splitlines()[1]
+    assert line.startswith("context parallelism: ring over sp=4, "), line
+    assert line.endswith(
+        "(--context-parallel ring); balance: 64 tokens over 4 devices, device i holds chunks i "
+        "and 7-i of 8; causal work: busiest device 1.00x the mean"
+    ), line
+    assert len(losses) == 2
+    assert losses[1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("api", "argv", "message"),
+    [
+        (
+            "nnx",
+            ["--mesh", "fsdp:2,sp:4", "--context-parallel", "ring", "--seq", "30"],
+            r"a sequence of 30 tokens does not split over the context axes sp=4 .* \(e\.g\. 32\)",
+        ),
+        (
+            "linen",
+            ["--mesh", "fsdp:2,sp:4", "--context-parallel", "all_gather", "--seq", "36"],
+            r"a sequence of 36 tokens does not split into 2 x 4 chunks \(balance='dual_chunk'\): "
+            r"pad or cut it to a multiple of 8 \(e\.g\. 40\)",
+        ),
+        (
+            "nnx",
+            ["--mesh", "fsdp:2,sp:4", "--context-parallel", "ulysses"],
+            r"ulysses splits the heads of each device 4 ways, but there are 4 query and 2 "
+            r"key/value heads on each device",
+        ),
+        (
+            "nnx",
+            ["--mesh", "fsdp:8", "--context-parallel", "ring"],
+            r"--context-parallel ring splits attention over the mesh axes of the sequence, and "
+            r"--mesh fsdp:8 does not split it: add an sp axis, e\.g\. --mesh fsdp:2,sp:4",
+        ),
+        (
+            "linen",
+            ["--context-parallel", "auto"],
+            r"--mesh auto does not split it: add an sp axis",
+        ),
+        (
+            "nnx",
+            ["--mesh", "pp:2,sp:4", "--context-parallel", "ring"],
+            r"--context-parallel with a pipeline \(--mesh pp:2,sp:4\) is not supported",
+        ),
+        (
+            "nnx",
+            ["--mesh", "fsdp:2,sp:4", "--balance", "striped"],
+            r"--balance striped orders the batch for context parallelism: add --context-parallel",
+        ),
+    ],
+    ids=["seq-sp", "seq-dual-chunk", "ulysses-heads", "no-sp-axis", "auto-mesh", "pp", "balance"],
+)
+def test_main_job_checks_its_context_parallelism_before_planning(
+    monkeypatch, devices, api, argv, message
+):
+    # No plan to return: planning first would fail the test with an AssertionError.
+    with pytest.raises(ContextError, match=message):
+        _choose(monkeypatch, devices, ["--api", api, *argv])
+
+
+def test_context_options_take_the_degree_from_the_rules_and_reorder_the_batch_once(devices):
+    options, llama = load("context_options"), load("nnx_llama")
+    parser = load("train_lm").build_parser()
+    mesh = fe.parse_mesh_from_string("fsdp:2,sp:4", fe.mesh.DEFAULT_AXIS_NAMES, partial=True)
+    args = parser.parse_args(["--context-parallel", "auto", "--balance", "striped"])
+    config, context = options.configure(llama.Config(), args, mesh)
+    assert config == llama.Config(context_parallel="auto")
+    assert (context.plan.axes, context.plan.degree) == (("sp",), 4)
+    assert context.layout == options.SequenceLayout(32, 4, "striped")
+    line = options.describe(context)
+    assert line.startswith(f"context parallelism: {context.plan.strategy} over sp=4, "), line
+    assert f"(auto's pick: {context.plan.choice.reason}); balance: 32 tokens" in line, line
+    # Rules that put the sequence on another axis: the layout splits it over that one.
+    on_ep = fe.parse_mesh_from_string("fsdp:4,ep:2", fe.mesh.DEFAULT_AXIS_NAMES, partial=True)
+    rules = fe.PartitionAxis(sequence_parallel_axis="ep")
+    _, context = options.configure(llama.Config(), args, on_ep, rules)
+    assert (context.plan.axes, context.layout.degree) == (("ep",), 2)
+    # Inputs, labels and positions follow one permutation: every input keeps its label (the
+    # toy data counts up by one) and its position.
+    tokens = np.arange(2 * 33).reshape(2, 33) % 64
+    inputs, labels, positions = options.next_token_batch(context, tokens)
+    assert inputs.shape == labels.shape == positions.shape == (2, 32)
+    np.testing.assert_array_equal(positions[0], context.layout.permutation)
+    np.testing.assert_array_equal(labels, (inputs + 1) % 64)
+    np.testing.assert_array_equal(inputs, np.take(tokens[:, :-1], positions[0], axis=1))
+
+
+@pytest.mark.parametrize(
+    "example", ["nnx_llama", pytest.param("linen_gpt", marks=pytest.mark.slow)]
+)
+def test_example_workloads_offer_the_planner_their_context_parallelism(devices, example):
+    module = load(example)
+    # One small layer: the test is of the factory and the step it makes, not of the model.
+    config = module.Config(vocab=32, hidden=16, heads=2, head_dim=4, mlp=32, layers=1)
+    workload = module.workload(config, batch=4)
+    split = workload.context_parallel("ring")
+    config = split.args[0] if example == "nnx_llama" else split.model.config
+    assert config.context_parallel == "ring"
+    assert split.context_parallel is None
+    assert [(x.shape, x.dtype) for x in split.batch] == [((4, 32), np.int32)] * 3
+    # The step the planner compiles runs the ring over sp=2 on the batch it is given.
+    mesh = fe.parse_mesh_from_string("fsdp:4,sp:2", fe.mesh.DEFAULT_AXIS_NAMES, partial=True)
+    hlo = lower_step(split, mesh).compile().as_text()
+    assert "collective-permute" in hlo
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -285,7 +433,8 @@ def test_main_job_gives_every_option_help_text(capsys):
     parser = load("train_lm").build_parser()
     options = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
     flags = {"--api", "--steps", "--batch", "--mesh", "--no-plan", "--devices", "--layers"}
-    assert {*flags, "--microbatches", "--repeats", "--remat"} <= {
+    context = {"--seq", "--context-parallel", "--balance"}
+    assert {*flags, *context, "--microbatches", "--repeats", "--remat"} <= {
         flag for action in options for flag in action.option_strings
     }
     for action in options:

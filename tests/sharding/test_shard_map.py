@@ -618,3 +618,19 @@ def test_an_abstract_mesh_needs_its_concrete_mesh_set_around_the_call(mesh):
     with jax.set_mesh(mesh):
         out = jax.jit(f)(x)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
+
+
+@pytest.mark.parametrize("axis_types", AXIS_TYPES)
+def test_a_constant_closed_over_under_the_current_mesh_is_an_argument_like_any(axis_types):
+    # Inside jax.jit under jax.set_mesh the mesh is abstract, and an array the jitted function
+    # closes over is concrete: it is staged into the program, not refused as outside jit.
+    mesh = fe.create_mesh((1, 4, 1, 2, 1), axis_types=axis_types)
+    constant = jnp.arange(8.0).reshape(8, 1) * jnp.ones((8, 6))
+    f = logical_shard_map(
+        lambda x, c: x + c,
+        in_axes=[("batch", "hidden_state"), ("batch", "hidden_state")],
+        out_axes=("batch", "hidden_state"),
+    )
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda x: f(x, constant))(jnp.ones((8, 6)))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(constant) + 1)

@@ -48,12 +48,12 @@ _CHILD = textwrap.dedent(
                     if reason:
                         found(shape, "pruned")  # the planner would not compile it either
                         continue
+                    if not {lower}:
+                        found(shape, "candidate")
+                        continue
                 step = lower_step(workload, mesh, plan)  # the planner's step, on its plan
         except ValueError:  # the model cannot run there, as the planner finds it
             found(shape, None)
-            continue
-        if not {compile}:
-            found(shape, "lowered")
             continue
         print("@@compiling", file=sys.stderr, flush=True)
         try:
@@ -74,7 +74,7 @@ def step_reshardings(
     target: str = "cpu",
     axis_types: str | None = None,
     candidates: bool = False,
-    compile: bool = True,
+    lower: bool = True,
 ) -> dict[tuple[int, ...], list[str] | str | None]:
     """``{mesh shape: [resharding, ...]}`` for ``factory()``'s step, the workload in ``path``.
 
@@ -86,8 +86,8 @@ def step_reshardings(
     ``Target.named`` name of ``devices`` devices; ``axis_types`` as ``create_mesh`` takes it
     (``"explicit"`` for a model that names mesh axes in its own ``out_sharding``). With
     ``candidates``, the meshes the planner prunes (its batch does not split there, an axis
-    would be idle) are left out of the result, as the planner leaves them uncompiled. Without
-    ``compile``, a mesh the step lowers on maps to ``"lowered"``: nothing is compiled.
+    would be idle) are left out of the result, as the planner leaves them uncompiled; without
+    ``lower`` as well, a mesh the planner keeps maps to ``"candidate"``: nothing is lowered.
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -103,7 +103,7 @@ def step_reshardings(
             target=target,
             axis_types=axis_types,
             candidates=candidates,
-            compile=compile,
+            lower=lower,
             shapes=left,
         )
         done = subprocess.run(
