@@ -122,7 +122,7 @@ def configure(
     if plan.degree == 1:
         raise unsplit
     balance = args.balance or DEFAULT_BALANCE
-    layout = SequenceLayout(args.seq, plan.degree, None if balance == "none" else balance)
+    layout = plan.layout(None if balance == "none" else balance)
     configured = dataclasses.replace(config, context_parallel=args.context_parallel)
     return configured, Context(args.context_parallel, plan, layout)
 

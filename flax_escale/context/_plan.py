@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_escale._specs import mesh_axes_of
-from flax_escale.context._layout import ContextError
+from flax_escale.context._layout import ContextError, SequenceLayout
 from flax_escale.context._strategy import (
     AttentionShape,
     Choice,
@@ -70,6 +70,24 @@ class ContextPlan:
     def degree(self) -> int:
         """The devices the sequence is split over."""
         return self.shape.degree
+
+    def layout(self, balance: str | None = "dual_chunk") -> SequenceLayout:
+        """The order to put the batch in for this split: the sequence over :attr:`degree`.
+
+        Raises:
+            ContextError: As :class:`~flax_escale.context.SequenceLayout`.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from flax_escale import create_mesh
+            >>> from flax_escale.context import plan_attention
+            >>> q = jax.ShapeDtypeStruct((2, 64, 4, 8), jnp.float32)
+            >>> plan = plan_attention(q, q, mesh=create_mesh((1, 2, 1, 1, 4)))
+            >>> layout = plan.layout()
+            >>> layout.degree, layout.imbalance()
+            (4, 1.0)
+        """
+        return SequenceLayout(self.shape.sequence, self.degree, balance)
 
     def bytes_received(self) -> int:
         """Bytes of Q, K, V and output one device receives in the forward pass."""

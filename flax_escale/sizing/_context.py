@@ -13,6 +13,7 @@ The formula's figures are kept with the candidate and explained beside the compi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -104,11 +105,18 @@ class ContextWorkloads:
         self.workload = workload
         self.link = context_link(profile)
         self.built: dict[str, Workload] = {}
-        dims = workload.token_dims
-        # The batch's sequence: the second dimension of the tokens (none for rows of features).
-        self.length = (
-            workload.batch[dims[0]].shape[dims[1][1]] if dims and len(dims[1]) > 1 else None
-        )
+
+    @functools.cached_property
+    def length(self) -> int | None:
+        """The sequence of the context forms' batch: the second dimension of their tokens.
+
+        Theirs, not the workload's: a form may take its batch otherwise (a next-token step's
+        ``S + 1`` tokens become ``S`` inputs, labels and positions, which ``sp`` may divide).
+        None for rows of features.
+        """
+        form = self("all_gather")
+        dims = form.token_dims
+        return form.batch[dims[0]].shape[dims[1][1]] if dims and len(dims[1]) > 1 else None
 
     def __call__(self, strategy: str) -> Workload:
         if strategy not in self.built:
@@ -168,14 +176,33 @@ class ContextWorkloads:
         )
 
 
+def _query_and_key(eqn: Any) -> tuple[Any, Any] | None:
+    # A step that differentiates the attention splits its map into pieces (what the positions
+    # alone give, the forward with its residuals, the backward), each with other arguments:
+    # the forward is the piece that returns an array shaped like an argument of rank 4 (the
+    # output, like the queries), with the keys among the arguments after the queries.
+    ins = [v.aval for v in eqn.invars]
+    outs = {tuple(v.aval.shape) for v in eqn.outvars if len(v.aval.shape) == 4}
+    for i, query in enumerate(ins):
+        if len(query.shape) != 4 or tuple(query.shape) not in outs:
+            continue
+        b, s, heads, d = query.shape
+        for key in ins[i + 1 :]:
+            fits = len(key.shape) == 4 and (key.shape[0], key.shape[1], key.shape[3]) == (b, s, d)
+            if fits and heads % key.shape[2] == 0:
+                return query, key
+    return None
+
+
 def _first_attention(jaxpr: Any) -> tuple[Any, Any] | None:
-    # The global queries and keys of the first shard_map whose body is context_attention's.
+    # The global queries and keys of the first map whose body is context_attention's.
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
             info = getattr(eqn.params["jaxpr"], "debug_info", None)
             name = getattr(info, "func_src_info", "") or ""
-            if name.startswith(_BODY) and len(eqn.invars) >= 2:
-                return eqn.invars[0].aval, eqn.invars[1].aval
+            found = _query_and_key(eqn) if name.startswith(_BODY) else None
+            if found is not None:
+                return found
         for inner in jcore.jaxprs_in_params(eqn.params):
             found = _first_attention(inner)
             if found is not None:

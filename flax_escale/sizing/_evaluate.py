@@ -117,33 +117,37 @@ def evaluate(
             )
             ruled_out.append(Figures(shape, "pruned", reason))
             continue
+        slow = slow_collectives(shape, host)
         # The schedules of a mesh share its plan and batch: the first one prunes them all.
-        reason, plan, corrections, batch = _prune(built(schedules[0]), mesh)
         pipeline = built.pipeline(schedules[0])
+        reason, corrections, common = _mesh_fields(
+            built(schedules[0]), shape, mesh, pipeline, profile
+        )
         if reason:
             ruled_out.append(Figures(shape, "pruned", reason, corrections, pipeline=pipeline))
-            continue
-        # A pipeline's stage weights stay on their stage: pp gathers and reduces none of them.
-        split = tuple(a for a in _split_axes(batch) if pipeline is None or a != PIPELINE_AXIS)
-        textbook, detail = textbook_communication(plan, mesh, split, profile)
-        tokens = None
-        if workload.token_dims is not None:
-            index, dims = workload.token_dims
-            tokens = token_count(workload.batch[index].shape, dims, batch[index].spec, mesh)
-        slow = slow_collectives(shape, host)
-        common = (shape, mesh, plan, corrections, textbook, detail, tokens)
-        for settings in schedules:
-            run = functools.partial(built, settings)
-            kept.append(_Kept(*common, run, built.pipeline(settings), slow))
-        if schedules != [None]:
+        else:
+            for settings in schedules:
+                run = functools.partial(built, settings)
+                kept.append(_Kept(*common, run, built.pipeline(settings), slow))
+        if schedules != [None] or workload.context_parallel is None:
             continue
         try:
             strategies = contexts.candidates(mesh)
         except ContextTraceFailure as error:
             reason = f"{TRACE_FAILURE}{error}"
             ruled_out.append(Figures(shape, "failed", reason, corrections, context=error.context))
-            strategies = []
-        # The strategies share the mesh's plan and batch: only attention's exchange differs.
+            continue
+        if not strategies:
+            continue
+        # The strategies share the context forms' plan and batch (theirs: a form may take
+        # another batch than the workload, which sp may split where it splits no other):
+        # only attention's exchange differs.
+        reason, corrections, common = _mesh_fields(
+            contexts("all_gather"), shape, mesh, None, profile
+        )
+        if reason:
+            ruled_out.append(Figures(shape, "pruned", reason, corrections, context=strategies[0]))
+            continue
         for context in strategies:
             run = functools.partial(contexts, context["strategy"])
             kept.append(_Kept(*common, run, None, slow, context))
@@ -248,6 +252,31 @@ def _has_experts(workload: Workload, target: Target) -> bool:
     return any(
         name in expert_names for e in plan for name in (e.resolution.logical_axes or ()) if name
     )
+
+
+def _mesh_fields(
+    workload: Workload,
+    shape: dict[str, int],
+    mesh: Any,
+    pipeline: dict[str, Any] | None,
+    profile: HardwareProfile,
+) -> tuple[str, tuple[str, ...], tuple[Any, ...]]:
+    """Why ``workload`` is pruned on ``mesh`` ("" if not), its corrections, and its fields.
+
+    The fields are those its candidates on the mesh share: shape, mesh, plan, corrections,
+    textbook communication and its detail, tokens per device.
+    """
+    reason, plan, corrections, batch = _prune(workload, mesh)
+    if reason:
+        return reason, corrections, ()
+    # A pipeline's stage weights stay on their stage: pp gathers and reduces none of them.
+    split = tuple(a for a in _split_axes(batch) if pipeline is None or a != PIPELINE_AXIS)
+    textbook, detail = textbook_communication(plan, mesh, split, profile)
+    tokens = None
+    if workload.token_dims is not None:
+        index, dims = workload.token_dims
+        tokens = token_count(workload.batch[index].shape, dims, batch[index].spec, mesh)
+    return "", corrections, (shape, mesh, plan, corrections, textbook, detail, tokens)
 
 
 def _prune(

@@ -6,7 +6,10 @@ Nothing here compiles."""
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
+from support.context_workloads import BATCH, HEAD_DIM, HEADS, SEQ, Decoder, plain, workload
 
 from flax_escale.context import AttentionShape, choose_strategy
 from flax_escale.errors import EscaleError, EscaleTypeError
@@ -14,7 +17,6 @@ from flax_escale.mesh import Target
 from flax_escale.sizing import PROFILES, Workload, plan_mesh
 from flax_escale.sizing._context import ContextWorkloads, context_link, describe_context
 from flax_escale.sizing._evaluate import TRACE_FAILURE, evaluate
-from tests.support.context_workloads import BATCH, HEAD_DIM, HEADS, SEQ, Decoder, plain, workload
 
 H100 = PROFILES["h100"]
 
@@ -52,6 +54,16 @@ def test_ulysses_is_left_out_where_the_heads_do_not_split():
     found = candidates(workload(), (1, 1, 1, 1, 4))  # sp=4: 2 heads do not split 4 ways
     assert {c["strategy"] for c in found} == {"all_gather", "ring"}
     assert AttentionShape(**found[0]["shape"]).degree == 4
+
+
+def test_the_sequence_is_the_context_forms_not_the_workloads():
+    # A next-token step takes S + 1 tokens, which sp=2 does not divide; its context form takes
+    # the S inputs (as the examples' do), which it does.
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    longer = dataclasses.replace(plain(), batch=(tokens,), context_parallel=workload)
+    found = candidates(longer, (1, 2, 1, 1, 2))
+    assert {c["strategy"] for c in found} == {"all_gather", "ring", "ulysses"}
+    assert AttentionShape(**found[0]["shape"]).sequence == SEQ
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import io
 
 import pytest
 from rich.console import Console
+from support.example_modules import load
 
 from flax_escale.context import AttentionShape
 from flax_escale.sizing import MeshPlan, plan_mesh
@@ -100,3 +101,19 @@ def test_exhaustive_compiles_every_strategy_that_can_run(cache):
     assert "all-to-all" in found["sp=2 ulysses"].figures.collectives
     assert "collective-permute" in found["sp=2 ring"].figures.collectives
     assert "all-to-all" not in found["sp=2 ring"].figures.collectives
+
+
+@pytest.mark.slow
+def test_an_examples_sp_meshes_are_planned_context_parallel_where_its_own_batch_prunes_them():
+    # The Llama's step takes 33 tokens (32 inputs and their next tokens), which sp=4 does not
+    # divide; its context-parallel form takes 32 inputs, labels and positions, which it does.
+    llama = load("nnx_llama")
+    plan = plan_mesh(llama.workload, devices=4, axes=("sp",), memory="1GiB", cache=False)
+    pruned, compiled = by_label(plan)["sp=4"], plan.fitting
+    assert pruned.figures.status == "pruned"
+    assert "(16, 33)" in pruned.figures.reason
+    # 2 key/value heads do not split 4 ways: Ulysses cannot run; the formulas' pick fits.
+    (only,) = compiled
+    assert only.figures.context["strategy"] in {"all_gather", "ring"}
+    assert only.label == f"sp=4 {only.figures.context['strategy']}"
+    assert AttentionShape(**only.figures.context["shape"]).sequence == 32
