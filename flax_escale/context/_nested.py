@@ -79,7 +79,7 @@ def inside_manual(
         body, in_axes=in_axes, out_axes=out_spec, mesh=mesh, rules=rules, check_vma=False
     )
 
-    def grads(q, k, v, *rest):
+    def grads(q: jax.Array, k: jax.Array, v: jax.Array, *rest: jax.Array) -> list[jax.Array]:
         *tokens, cotangent = rest
         out, vjp = jax.vjp(lambda q, k, v: body(q, k, v, *tokens), q, k, v)
         return list(vjp(tied(cotangent, (out,))))
@@ -93,16 +93,16 @@ def inside_manual(
         check_vma=True,
     )
 
-    def primal(*args):
+    def primal(*args: jax.Array) -> jax.Array:
         # Said to vary as the inputs do over the outer map's axes: a map that does not track
         # variation returns values that vary over none, whose cotangents JAX would then sum
         # over those axes.
         return tied(forward(*args), args)
 
-    def run(*args):
+    def run(*args: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         return primal(*args), args
 
-    def back(args, cotangent):
+    def back(args: tuple[jax.Array, ...], cotangent: jax.Array) -> tuple[Any, ...]:
         grads = [
             laid_out_like(g, x) for g, x in zip(backward(*args, cotangent), args[:3], strict=True)
         ]
