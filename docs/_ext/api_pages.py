@@ -48,6 +48,7 @@ NAMESPACES = (
     "flax_escale.plan",
     "flax_escale.sharding",
     "flax_escale.pipeline",
+    "flax_escale.context",
     "flax_escale.t5x",
     "flax_escale.eformer",
 )
